@@ -1,0 +1,38 @@
+"""Names and small shared pieces used across the package."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import warnings
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
+CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
+
+logger = logging.getLogger("fsdp_compat")
+
+
+class TrainingState(enum.Enum):
+    """What a wrapper is doing now; FSDP1 uses these to reject calls at the wrong moment."""
+
+    IDLE = enum.auto()
+    FORWARD_BACKWARD = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+
+def clean_name(name: str) -> str:
+    """An FQN without the wrapper prefixes: what FSDP1 puts in state dicts and optimizer states."""
+    return name.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn (``UserWarning``) once per process for ``key``: FSDP1 options the engine makes moot."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, UserWarning, stacklevel=3)

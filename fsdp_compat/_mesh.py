@@ -1,0 +1,136 @@
+"""Turning FSDP1's ``process_group`` / ``device_mesh`` / ``sharding_strategy`` into an engine mesh.
+
+FSDP1 takes a process group (a tuple ``(intra_node, inter_node)`` for hybrid strategies) or a
+device mesh; the engine takes a 1-D mesh (shard) or a 2-D mesh ``(replicate, shard)``. Meshes are
+cached so that auto-wrapping a model with many units creates its process groups once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .api import ShardingStrategy
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+MESH_DIM_NAMES_2D = ("replicate", "shard")
+
+_mesh_cache: dict[tuple[Any, ...], DeviceMesh] = {}
+
+
+def resolve_device(device_id: int | torch.device | None, process_group: Any) -> torch.device:
+    """The compute device: ``device_id`` if given, else what the process group's backend drives."""
+    if device_id is not None:
+        if isinstance(device_id, int):
+            return torch.device("cuda", device_id)
+        device = torch.device(device_id)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    group = process_group[0] if isinstance(process_group, tuple) else process_group
+    backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_mesh(
+    strategy: ShardingStrategy,
+    process_group: Any,
+    device_mesh: DeviceMesh | None,
+    device: torch.device,
+) -> DeviceMesh:
+    """The engine mesh for ``strategy``: 2-D ``(replicate, shard)`` for hybrid strategies, else 1-D."""
+    hybrid = strategy in HYBRID_STRATEGIES
+    if device_mesh is not None:
+        return _check_given_mesh(device_mesh, hybrid)
+    if hybrid:
+        if process_group is None:
+            return _default_hybrid_mesh(device.type)
+        if not (isinstance(process_group, tuple) and len(process_group) == 2):
+            raise ValueError(
+                "Expected process_group to be passed in as either None or "
+                f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}; pass "
+                "(intra_node_group, inter_node_group) or a 2-D device_mesh for hybrid sharding"
+            )
+        return _mesh_from_group_pair(process_group[0], process_group[1], device.type)
+    if isinstance(process_group, tuple):
+        raise ValueError(
+            f"A (intra_node, inter_node) process_group tuple is only valid for hybrid strategies, "
+            f"not {strategy}; pass a single process group"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    key = ("1d", id(group), device.type)
+    if key not in _mesh_cache:
+        _mesh_cache[key] = DeviceMesh.from_group(group, device.type)
+    return _mesh_cache[key]
+
+
+def flatten_to_1d(mesh: DeviceMesh) -> DeviceMesh:
+    """A 1-D mesh over all ranks of ``mesh`` (used when a unit's strategy needs no 2-D layout)."""
+    if mesh.ndim == 1:
+        return mesh
+    key = ("flat", id(mesh))
+    if key not in _mesh_cache:
+        _mesh_cache[key] = mesh._flatten()
+    return _mesh_cache[key]
+
+
+def _check_given_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
+    if hybrid and mesh.ndim != 2:
+        raise ValueError(
+            f"Expected device_mesh to have ndim=2 but got {mesh.ndim}; hybrid sharding needs a 2-D "
+            "mesh (replicate, shard), e.g. init_device_mesh(device, (num_nodes, ranks_per_node), "
+            "mesh_dim_names=('replicate', 'shard'))"
+        )
+    if not hybrid and mesh.ndim != 1:
+        raise ValueError(
+            f"Expected device_mesh to have ndim=1 but got {mesh.ndim}; only hybrid strategies take "
+            "a 2-D mesh"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        key = ("named", id(mesh))
+        if key not in _mesh_cache:
+            _mesh_cache[key] = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=MESH_DIM_NAMES_2D)
+        return _mesh_cache[key]
+    return mesh
+
+
+def _ranks_per_node(world_size: int) -> int:
+    """Shard-group size for automatic hybrid sharding: the ranks of one node."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local <= 0 and torch.cuda.is_available():
+        local = torch.cuda.device_count()
+    if local <= 0 or world_size % local != 0:
+        local = world_size  # one node: hybrid degenerates to full sharding within it
+    return local
+
+
+def _default_hybrid_mesh(device_type: str) -> DeviceMesh:
+    world_size = dist.get_world_size()
+    shard_size = _ranks_per_node(world_size)
+    key = ("hybrid", world_size, shard_size, device_type)
+    if key not in _mesh_cache:
+        _mesh_cache[key] = init_device_mesh(
+            device_type, (world_size // shard_size, shard_size), mesh_dim_names=MESH_DIM_NAMES_2D
+        )
+    return _mesh_cache[key]
+
+
+def _mesh_from_group_pair(intra_node: Any, inter_node: Any, device_type: str) -> DeviceMesh:
+    key = ("pair", id(intra_node), id(inter_node), device_type)
+    if key not in _mesh_cache:
+        # Every rank learns every node's member list, which gives the (replicate, shard) layout.
+        node_ranks = dist.get_process_group_ranks(intra_node)
+        everyones: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyones, node_ranks)
+        layout = sorted({tuple(ranks) for ranks in everyones})
+        _mesh_cache[key] = DeviceMesh.from_group(
+            [inter_node, intra_node], device_type, mesh=torch.tensor(layout, dtype=torch.int),
+            mesh_dim_names=MESH_DIM_NAMES_2D,
+        )
+    return _mesh_cache[key]

@@ -1,0 +1,231 @@
+"""Public enums and configuration dataclasses, field-for-field compatible with torch FSDP1.
+
+torch ships the same names in ``torch.distributed.fsdp.api``. We define our own so that the
+package keeps working once torch deletes FSDP1, and we *coerce* torch's objects wherever a user
+passes them (``coerce_*`` below): a drop-in user changes only the class import.
+
+Our enum members compare equal to (and hash like) torch's members of the same name, so code
+such as ``settings.state_dict_type == torch.distributed.fsdp.StateDictType.FULL_STATE_DICT``
+keeps working when ``settings`` came from us.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any, TypeVar
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = [
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "StateDictType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
+    "ShardedStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "StateDictSettings",
+    "OptimStateKeyType",
+]
+
+
+class _InteroperableEnum(Enum):
+    """An enum whose members equal torch FSDP1's members of the same class and member name."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Enum):
+            return type(other).__name__ == type(self).__name__ and other.name == self.name
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        # Enum hashes members by name; hashing the same way lets torch's members find ours in dicts.
+        return hash(self._name_)
+
+
+class ShardingStrategy(_InteroperableEnum):
+    """How parameters, gradients and optimizer state are sharded (see FSDP1's docs).
+
+    ``FULL_SHARD`` and ``SHARD_GRAD_OP`` shard over the whole group, ``NO_SHARD`` replicates,
+    ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` shard inside a node and replicate across nodes.
+    """
+
+    FULL_SHARD = auto()
+    SHARD_GRAD_OP = auto()
+    NO_SHARD = auto()
+    HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
+
+
+class BackwardPrefetch(_InteroperableEnum):
+    """When the next unit's parameters are all-gathered in backward."""
+
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+
+
+class StateDictType(_InteroperableEnum):
+    """Which of the three state-dict formats ``state_dict()`` produces."""
+
+    FULL_STATE_DICT = auto()
+    LOCAL_STATE_DICT = auto()
+    SHARDED_STATE_DICT = auto()
+
+
+class OptimStateKeyType(_InteroperableEnum):
+    """Key type of an optimizer state dict's ``state``: parameter names or integer ids."""
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()
+
+
+@dataclass
+class MixedPrecision:
+    """Mixed-precision settings, with FSDP1's fields and defaults."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (_BatchNorm,)
+
+
+@dataclass
+class CPUOffload:
+    """``offload_params=True`` keeps sharded parameters and gradients on the CPU between steps."""
+
+    offload_params: bool = False
+
+
+@dataclass
+class StateDictConfig:
+    """Base class of the model state-dict configs."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """FULL_STATE_DICT settings; ``rank0_only=True`` gives other ranks an empty dict."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    """LOCAL_STATE_DICT settings."""
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    """SHARDED_STATE_DICT settings. ``_use_dtensor`` is accepted; values are always DTensors."""
+
+    _use_dtensor: bool = False
+
+
+@dataclass
+class OptimStateDictConfig:
+    """Base class of the optimizer state-dict configs."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """Full optimizer state; ``rank0_only=True`` gives other ranks an empty dict."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """Local optimizer state settings."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Sharded optimizer state settings. ``_use_dtensor`` is accepted; values are DTensors."""
+
+    _use_dtensor: bool = False
+
+
+@dataclass
+class StateDictSettings:
+    """What ``get_state_dict_type`` / ``set_state_dict_type`` report."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# Coercion of torch's FSDP1 objects (and of ours) into ours.
+# We recognise torch's objects by class name only: importing FSDP1's modules is what we avoid.
+# ---------------------------------------------------------------------------------------------
+
+_EnumT = TypeVar("_EnumT", bound=Enum)
+_ConfigT = TypeVar("_ConfigT")
+
+_CONFIG_CLASSES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        MixedPrecision,
+        CPUOffload,
+        StateDictConfig,
+        FullStateDictConfig,
+        LocalStateDictConfig,
+        ShardedStateDictConfig,
+        OptimStateDictConfig,
+        FullOptimStateDictConfig,
+        LocalOptimStateDictConfig,
+        ShardedOptimStateDictConfig,
+    )
+}
+
+
+def coerce_enum(value: Any, enum_class: type[_EnumT], argument: str) -> _EnumT:
+    """Return ``value`` as a member of our ``enum_class``, accepting torch's equally named enum."""
+    if isinstance(value, enum_class):
+        return value
+    if isinstance(value, Enum) and type(value).__name__ == enum_class.__name__:
+        if value.name in enum_class.__members__:
+            return enum_class[value.name]
+    choices = ", ".join(f"{enum_class.__name__}.{name}" for name in enum_class.__members__)
+    raise ValueError(f"{argument} must be one of {choices}; got {value!r}")
+
+
+def coerce_config(value: Any, expected: type[_ConfigT], argument: str) -> _ConfigT:
+    """Return ``value`` as an instance of our dataclass, converting torch's equally named class.
+
+    Subclasses are kept: a ``FullStateDictConfig`` passed where a ``StateDictConfig`` is expected
+    stays a ``FullStateDictConfig``.
+    """
+    if isinstance(value, expected):
+        return value
+    ours = _CONFIG_CLASSES.get(type(value).__name__) if dataclasses.is_dataclass(value) else None
+    if ours is not None and issubclass(ours, expected):
+        fields = {field.name: getattr(value, field.name) for field in dataclasses.fields(ours)
+                  if hasattr(value, field.name)}
+        return ours(**fields)
+    raise TypeError(
+        f"{argument} must be a {expected.__name__} (from fsdp_compat or torch.distributed.fsdp); "
+        f"got {type(value).__name__}"
+    )
+
+
+def coerce_optional_config(value: Any, expected: type[_ConfigT], argument: str) -> _ConfigT | None:
+    """``coerce_config`` that lets ``None`` through."""
+    return None if value is None else coerce_config(value, expected, argument)

@@ -1,0 +1,314 @@
+"""Auto-wrap policies and manual wrapping (``wrap`` / ``enable_wrap``), as in torch FSDP1.
+
+A policy decides which submodules become their own :class:`FullyShardedDataParallel` unit (one
+engine parameter group each). Every policy, ours or torch's, is reduced to one question answered by
+:func:`plan_wrapping`: *which modules get wrapped, with which keyword overrides?* The wrapper then
+replaces those modules bottom-up. torch's policy objects and functions are recognised and
+translated to ours, so torch's FSDP1 wrap code is never run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Iterable
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = [
+    "always_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "enable_wrap",
+    "wrap",
+    "CustomPolicy",
+    "ModuleWrapPolicy",
+]
+
+# A callable policy answers (module, recurse, nonwrapped_numel) -> bool, as in FSDP1.
+CallablePolicy = Callable[..., bool]
+
+
+class _Policy(ABC):
+    """Base of the object policies: maps a root module to ``{module_to_wrap: kwargs}``."""
+
+    @abstractmethod
+    def _run_policy(
+        self,
+        root_module: nn.Module,
+        ignored_modules: set[nn.Module],
+        root_kwargs: dict[str, Any],
+    ) -> dict[nn.Module, dict[str, Any]]:
+        """Return the modules to wrap, each with its constructor keyword arguments."""
+
+
+class ModuleWrapPolicy(_Policy):
+    """Wrap every submodule that is an instance of one of ``module_classes``."""
+
+    def __init__(self, module_classes: Iterable[type[nn.Module]]):
+        self._module_classes = set(module_classes)
+        self._module_classes_str = str(self._module_classes)
+
+    def _run_policy(self, root_module, ignored_modules, root_kwargs):
+        classes = tuple(self._module_classes)
+        return {
+            module: copy.copy(root_kwargs)
+            for module in root_module.modules()
+            if module not in ignored_modules and isinstance(module, classes)
+        }
+
+    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        return True if recurse else isinstance(module, tuple(self._module_classes))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._module_classes_str})"
+
+
+class CustomPolicy(_Policy):
+    """Wrap the modules for which ``lambda_fn(module)`` is truthy.
+
+    ``lambda_fn`` returns ``True``/``False``, or a dict of constructor keyword overrides for that
+    module (for example ``{"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}``).
+    """
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]):
+        self._lambda_fn = lambda_fn
+
+    def _run_policy(self, root_module, ignored_modules, root_kwargs):
+        targets: dict[nn.Module, dict[str, Any]] = {}
+        for module in root_module.modules():
+            if module in ignored_modules:
+                continue
+            decision = self._lambda_fn(module)
+            if not isinstance(decision, (dict, bool)):
+                raise ValueError(
+                    "The lambda_fn passed to CustomPolicy should return False/True or a kwarg "
+                    f"dict, but it returned {decision}"
+                )
+            if decision:
+                kwargs = copy.copy(root_kwargs)
+                if isinstance(decision, dict):
+                    kwargs.update(decision)
+                targets[module] = kwargs
+        return targets
+
+
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+    """Wrap every submodule."""
+    return True
+
+
+def lambda_auto_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable[[nn.Module], bool]
+) -> bool:
+    """Wrap the modules for which ``lambda_fn(module)`` is true (use with ``functools.partial``)."""
+    return True if recurse else bool(lambda_fn(module))
+
+
+def transformer_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    transformer_layer_cls: set[type[nn.Module]],
+) -> bool:
+    """Wrap every instance of ``transformer_layer_cls`` (use with ``functools.partial``)."""
+    return True if recurse else isinstance(module, tuple(transformer_layer_cls))
+
+
+def size_based_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: set[type[nn.Module]] | None = None,
+    exclude_wrap_modules: set[type[nn.Module]] | None = None,
+) -> bool:
+    """Wrap a module once its not-yet-wrapped parameters reach ``min_num_params`` elements."""
+    if force_leaf_modules is None:
+        force_leaf_modules = size_based_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
+    if exclude_wrap_modules is None:
+        exclude_wrap_modules = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
+    is_large = nonwrapped_numel >= min_num_params
+    if recurse:
+        return is_large and not isinstance(module, tuple(force_leaf_modules))
+    return is_large and not isinstance(module, tuple(exclude_wrap_modules))
+
+
+size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
+size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
+
+
+def _wrap_module_classes_individually(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, module_classes: tuple[type, ...]
+) -> bool:
+    return True if recurse else isinstance(module, tuple(module_classes))
+
+
+def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies: list) -> bool:
+    return any(p(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for p in policies)
+
+
+# ------------------------------------------------------------------------------------------------
+# Translating torch's policies into ours (so that FSDP1's wrap module is never called).
+# ------------------------------------------------------------------------------------------------
+
+_TORCH_WRAP_MODULE = "torch.distributed.fsdp.wrap"
+_OUR_POLICY_FUNCTIONS: dict[str, Callable[..., bool]] = {
+    "always_wrap_policy": always_wrap_policy,
+    "lambda_auto_wrap_policy": lambda_auto_wrap_policy,
+    "transformer_auto_wrap_policy": transformer_auto_wrap_policy,
+    "size_based_auto_wrap_policy": size_based_auto_wrap_policy,
+    "_or_policy": _or_policy,
+    "_wrap_module_cls_individually": _wrap_module_classes_individually,
+}
+
+
+def _is_torch_wrap_object(obj: Any) -> bool:
+    return getattr(type(obj), "__module__", "") == _TORCH_WRAP_MODULE
+
+
+def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
+    """Return ``policy`` with any torch FSDP1 policy object or function replaced by ours."""
+    if policy is None or isinstance(policy, _Policy):
+        return policy
+    if _is_torch_wrap_object(policy):
+        name = type(policy).__name__
+        if name == "ModuleWrapPolicy":
+            return ModuleWrapPolicy(policy._module_classes)
+        if name == "CustomPolicy":
+            return CustomPolicy(policy._lambda_fn)
+        raise TypeError(f"Unsupported torch wrap policy object {name}; use fsdp_compat.wrap policies")
+    if isinstance(policy, functools.partial):
+        function = translate_policy(policy.func)
+        keywords = dict(policy.keywords)
+        if "policies" in keywords:
+            keywords["policies"] = [translate_policy(p) for p in keywords["policies"]]
+        return functools.partial(function, *policy.args, **keywords)
+    if getattr(policy, "__module__", None) == _TORCH_WRAP_MODULE:
+        name = getattr(policy, "__name__", "")
+        if name in _OUR_POLICY_FUNCTIONS:
+            return _OUR_POLICY_FUNCTIONS[name]
+        raise TypeError(f"Unsupported torch wrap policy function {name}")
+    if not callable(policy):
+        raise TypeError(
+            "auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable "
+            f"(module, recurse, nonwrapped_numel) -> bool; got {type(policy).__name__}"
+        )
+    return policy
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning: which modules to wrap. One mechanism for every kind of policy.
+# ------------------------------------------------------------------------------------------------
+
+
+def plan_wrapping(
+    root_module: nn.Module,
+    policy: Any,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    root_kwargs: dict[str, Any],
+    individually_wrapped_classes: tuple[type[nn.Module], ...] = (),
+) -> dict[nn.Module, dict[str, Any]]:
+    """Return ``{module: constructor kwargs}`` for every submodule (never the root) to wrap.
+
+    ``individually_wrapped_classes`` are wrapped on their own whatever the policy says (FSDP1 does
+    this for mixed precision's ``_module_classes_to_ignore``, with ``mixed_precision=None``).
+    """
+    policy = translate_policy(policy)
+    if isinstance(policy, _Policy):
+        targets = policy._run_policy(root_module, ignored_modules, dict(root_kwargs, auto_wrap_policy=None))
+    else:
+        targets = {}
+        _plan_recursive(root_module, policy, ignored_modules, ignored_params, root_kwargs, targets,
+                        is_root=True)
+    for module in root_module.modules():
+        if individually_wrapped_classes and isinstance(module, individually_wrapped_classes) \
+                and module not in ignored_modules:
+            targets.setdefault(module, dict(root_kwargs))["mixed_precision"] = None
+    targets.pop(root_module, None)
+    for kwargs in targets.values():
+        kwargs["auto_wrap_policy"] = None
+    return targets
+
+
+def _plan_recursive(
+    module: nn.Module,
+    policy: CallablePolicy,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    root_kwargs: dict[str, Any],
+    targets: dict[nn.Module, dict[str, Any]],
+    is_root: bool = False,
+) -> int:
+    """FSDP1's ``_recursive_wrap`` without the wrapping: returns the numel this subtree wraps."""
+    nonwrapped_numel = sum(p.numel() for p in module.parameters() if p not in ignored_params)
+    if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped_numel):
+        return 0
+    wrapped_numel = 0
+    for child in module.children():
+        if child not in ignored_modules:
+            wrapped_numel += _plan_recursive(child, policy, ignored_modules, ignored_params,
+                                             root_kwargs, targets)
+    remainder = nonwrapped_numel - wrapped_numel
+    if not is_root and policy(module=module, recurse=False, nonwrapped_numel=remainder):
+        targets[module] = dict(root_kwargs)
+        return nonwrapped_numel
+    return wrapped_numel
+
+
+def apply_wrapping(
+    root_module: nn.Module,
+    targets: dict[nn.Module, dict[str, Any]],
+    wrap_function: Callable[..., nn.Module],
+) -> None:
+    """Replace each target submodule, children before parents, by ``wrap_function(module, **kw)``."""
+    visited: set[nn.Module] = {root_module}
+
+    def visit(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if child in visited:
+                continue
+            visited.add(child)
+            visit(child)
+            if child in targets:
+                setattr(module, name, wrap_function(child, **targets[child]))
+
+    visit(root_module)
+
+
+# ------------------------------------------------------------------------------------------------
+# Manual wrapping: ``with enable_wrap(wrapper_cls=FSDP, **kwargs): layer = wrap(layer)``.
+# ------------------------------------------------------------------------------------------------
+
+
+class _WrapContext:
+    active: bool = False
+    wrapper_cls: Callable[..., nn.Module] | None = None
+    kwargs: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Generator[None, None, None]:
+    """Within this context, :func:`wrap` wraps modules with ``wrapper_cls(module, **wrapper_kwargs)``."""
+    if _WrapContext.active:
+        raise RuntimeError("enable_wrap contexts cannot be nested; exit the outer one first")
+    _WrapContext.active, _WrapContext.wrapper_cls, _WrapContext.kwargs = True, wrapper_cls, wrapper_kwargs
+    try:
+        yield
+    finally:
+        _WrapContext.active, _WrapContext.wrapper_cls, _WrapContext.kwargs = False, None, {}
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """Wrap ``module`` if inside :func:`enable_wrap`, with per-call overrides; else return it as is."""
+    if not _WrapContext.active:
+        return module
+    assert _WrapContext.wrapper_cls is not None
+    kwargs = {**_WrapContext.kwargs, **wrap_overrides}
+    kwargs.update(getattr(module, "_wrap_overrides", {}))
+    return _WrapContext.wrapper_cls(module, **kwargs)

@@ -1,0 +1,169 @@
+"""Differential-test helpers: one seeded model, three ways (single process, torch FSDP1, ours).
+
+Every rank builds the same seeded model, takes its slice of one deterministic global batch, and
+trains; the single-process reference trains on the whole batch. With gradient averaging over
+ranks, all three must agree step by step.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from fsdp_compat._common import clean_name
+from fsdp_compat.examples import Block, GPTConfig, TinyGPT, synthetic_batch
+
+GLOBAL_BATCH = 4
+GOLDEN_DIR = Path(__file__).parent / "golden"
+
+try:  # FSDP1 is the oracle; tests fall back to golden files when torch no longer ships it.
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.fsdp.wrap as torch_wrap
+except ImportError:  # pragma: no cover - depends on the torch version
+    TorchFSDP = None
+    torch_fsdp = None
+    torch_wrap = None
+
+HAVE_FSDP1 = TorchFSDP is not None
+
+
+def device() -> torch.device:
+    """This rank's compute device: its GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_model(seed: int = 0, config: GPTConfig | None = None, on_device: bool = True) -> TinyGPT:
+    """The seeded test model (uneven vocabulary, tied head, buffers)."""
+    torch.manual_seed(seed)
+    model = TinyGPT(config or GPTConfig())
+    return model.to(device()) if on_device else model
+
+
+def block_policy_torch() -> Any:
+    """torch's ModuleWrapPolicy over transformer blocks (what a drop-in user passes)."""
+    return torch_wrap.ModuleWrapPolicy({Block})
+
+
+def local_batch(step: int, config: GPTConfig | None = None, global_batch: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of step ``step``'s global batch (the whole batch without a group)."""
+    tokens, targets = synthetic_batch(step, global_batch, config or GPTConfig(), device())
+    if not dist.is_initialized():
+        return tokens, targets
+    per_rank = global_batch // dist.get_world_size()
+    start = dist.get_rank() * per_rank
+    return tokens[start:start + per_rank], targets[start:start + per_rank]
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    """``sgd`` (momentum) or ``adamw``, with fixed hyperparameters."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    raise ValueError(name)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, first_step: int = 0,
+          sharded: bool = True) -> list[float]:
+    """Train ``steps`` steps; returns the global mean loss per step (same on every rank)."""
+    losses = []
+    for step in range(first_step, first_step + steps):
+        if sharded:
+            tokens, targets = local_batch(step)
+        else:
+            tokens, targets = synthetic_batch(step, GLOBAL_BATCH, GPTConfig(), device())
+        loss = loss_fn(model, tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.detach().clone()
+        if sharded and dist.is_initialized():
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(value.item())
+    return losses
+
+
+def reference_run(optimizer_name: str, steps: int, seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process, unsharded run on the whole global batch."""
+    model = make_model(seed)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    losses = train(model, optimizer, steps, sharded=False)
+    return losses, {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Clean FQN -> full parameter value (gathered), for any of the three kinds of model."""
+    if HAVE_FSDP1 and isinstance(model, TorchFSDP):
+        with TorchFSDP.summon_full_params(model):
+            return {clean_name(n): p.detach().cpu().clone() for n, p in model.named_parameters()}
+    result = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if isinstance(param, DTensor) else param
+        result[clean_name(name)] = value.detach().cpu().clone()
+    return result
+
+
+def assert_close_dicts(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                       rtol: float = 1e-5, atol: float = 1e-6, what: str = "") -> None:
+    """Same keys, and every tensor close."""
+    assert set(actual) == set(expected), f"{what} keys differ: {set(actual) ^ set(expected)}"
+    for name in expected:
+        torch.testing.assert_close(actual[name].float(), expected[name].float(), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+def assert_close_lists(actual: list[float], expected: list[float], rtol: float = 1e-5, what: str = "") -> None:
+    torch.testing.assert_close(torch.tensor(actual, dtype=torch.float64),
+                               torch.tensor(expected, dtype=torch.float64), rtol=rtol, atol=1e-7,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def fsdp1_kwargs() -> dict[str, Any]:
+    """What torch FSDP1 needs on top of the test's arguments (it refuses CPU without device_id)."""
+    return {"device_id": device()}
+
+
+def quiet() -> None:
+    """Silence deprecation chatter from FSDP1 in rank output."""
+    warnings.filterwarnings("ignore")
+
+
+# ---- golden values: FSDP1 results saved so the tests keep meaning something without FSDP1 ----
+
+def golden_path(name: str) -> Path:
+    return GOLDEN_DIR / f"{name}.json"
+
+
+def load_golden(name: str) -> Any:
+    path = golden_path(name)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def save_golden(name: str, value: Any) -> None:
+    """Write a golden file (only when ``FSDP_COMPAT_WRITE_GOLDEN=1``; rank 0 only)."""
+    if os.environ.get("FSDP_COMPAT_WRITE_GOLDEN") != "1":
+        return
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    GOLDEN_DIR.mkdir(exist_ok=True)
+    golden_path(name).write_text(json.dumps(value, indent=1, sort_keys=True))
