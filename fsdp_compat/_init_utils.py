@@ -21,6 +21,23 @@ def check_module(module: Any) -> None:
         )
 
 
+def is_forwardless_container(module: nn.Module) -> bool:
+    """An ``nn.ModuleList`` / ``nn.ModuleDict`` that is iterated, never called."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+
+
+def check_container_has_no_own_params(module: nn.Module, ignored_params: set[nn.Parameter]) -> None:
+    """A container is only wrappable when all its parameters belong to nested units (or are ignored)."""
+    own = [name for name, p in module.named_parameters()
+           if p not in ignored_params and not isinstance(p, DTensor)]
+    if own:
+        raise ValueError(
+            f"Cannot shard {type(module).__name__} parameters {own[:3]} directly: the container has no "
+            "forward, so nothing would gather them. Wrap its children instead (e.g. "
+            "ModuleWrapPolicy({YourBlock}))"
+        )
+
+
 def resolve_ignored_states(
     module: nn.Module,
     ignored_modules: Iterable[nn.Module] | None,
@@ -80,24 +97,60 @@ def materialize_meta_module(
     """Give a meta-device ``module`` real storage and initial values.
 
     With ``param_init_fn`` it is called on ``module`` (as FSDP1 does). Otherwise each submodule with
-    its own parameters or buffers is moved to ``device`` and ``reset_parameters()`` is called in
-    module order (pre-order), which is the order eager construction initialises them in: the same
-    seed gives the same values as building the model eagerly.
+    its own meta parameters or buffers gets storage on ``device`` and ``reset_parameters()`` is
+    called in module order (pre-order): the order eager construction initialises them in, so the
+    same seed gives the same values as building the model eagerly. Tied parameters stay tied and
+    keep the value of their first owner, as with eager construction followed by tying.
     """
     if param_init_fn is not None:
         param_init_fn(module)
         return
+    materialized: dict[int, torch.Tensor] = {}
+    keep_alive: list[torch.Tensor] = []  # ids in ``materialized`` must not be reused
     for submodule in module.modules():
         if submodule in ignored_modules:
             continue
-        direct = list(submodule.parameters(recurse=False)) + list(submodule.buffers(recurse=False))
-        if not any(t.is_meta for t in direct):
+        already_initialized = _materialize_direct_states(submodule, device, materialized, keep_alive)
+        if already_initialized is None:
             continue
-        submodule.to_empty(device=device, recurse=False)
         reset = getattr(submodule, "reset_parameters", None)
         if callable(reset):
             with torch.no_grad():
                 reset()
+                # A tied tensor was initialised by its first owner; restore that value.
+                for tensor, value in already_initialized:
+                    tensor.copy_(value)
+
+
+def _materialize_direct_states(
+    submodule: nn.Module,
+    device: torch.device,
+    materialized: dict[int, torch.Tensor],
+    keep_alive: list[torch.Tensor],
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Replace ``submodule``'s own meta tensors by empty ones on ``device``, reusing tied ones.
+
+    Returns the (tensor, saved value) pairs of tensors materialised earlier by another module, or
+    ``None`` when the module had no meta tensor of its own.
+    """
+    found_meta = False
+    already_initialized: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for registry in (submodule._parameters, submodule._buffers):
+        for name, tensor in registry.items():
+            if tensor is None or not tensor.is_meta:
+                continue
+            found_meta = True
+            if id(tensor) in materialized:
+                replacement = materialized[id(tensor)]
+                already_initialized.append((replacement, replacement.detach().clone()))
+            else:
+                replacement = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, nn.Parameter):
+                    replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
+                materialized[id(tensor)] = replacement
+                keep_alive.append(tensor)
+            registry[name] = replacement
+    return already_initialized if found_meta else None
 
 
 @torch.no_grad()

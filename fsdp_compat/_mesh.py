@@ -19,6 +19,7 @@ from .api import ShardingStrategy
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 MESH_DIM_NAMES_2D = ("replicate", "shard")
 
+# Keys hold the groups and meshes themselves (not ids), so a cached entry cannot outlive them.
 _mesh_cache: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
@@ -64,7 +65,7 @@ def build_mesh(
             f"not {strategy}; pass a single process group"
         )
     group = process_group if process_group is not None else dist.group.WORLD
-    key = ("1d", id(group), device.type)
+    key = ("1d", group, device.type)
     if key not in _mesh_cache:
         _mesh_cache[key] = DeviceMesh.from_group(group, device.type)
     return _mesh_cache[key]
@@ -74,7 +75,7 @@ def flatten_to_1d(mesh: DeviceMesh) -> DeviceMesh:
     """A 1-D mesh over all ranks of ``mesh`` (used when a unit's strategy needs no 2-D layout)."""
     if mesh.ndim == 1:
         return mesh
-    key = ("flat", id(mesh))
+    key = ("flat", mesh)
     if key not in _mesh_cache:
         _mesh_cache[key] = mesh._flatten()
     return _mesh_cache[key]
@@ -93,7 +94,7 @@ def _check_given_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
             "a 2-D mesh"
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        key = ("named", id(mesh))
+        key = ("named", mesh)
         if key not in _mesh_cache:
             _mesh_cache[key] = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=MESH_DIM_NAMES_2D)
         return _mesh_cache[key]
@@ -122,15 +123,24 @@ def _default_hybrid_mesh(device_type: str) -> DeviceMesh:
 
 
 def _mesh_from_group_pair(intra_node: Any, inter_node: Any, device_type: str) -> DeviceMesh:
-    key = ("pair", id(intra_node), id(inter_node), device_type)
+    key = ("pair", intra_node, inter_node, device_type)
     if key not in _mesh_cache:
-        # Every rank learns every node's member list, which gives the (replicate, shard) layout.
-        node_ranks = dist.get_process_group_ranks(intra_node)
-        everyones: list[list[int]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyones, node_ranks)
-        layout = sorted({tuple(ranks) for ranks in everyones})
         _mesh_cache[key] = DeviceMesh.from_group(
-            [inter_node, intra_node], device_type, mesh=torch.tensor(layout, dtype=torch.int),
+            [inter_node, intra_node], device_type, mesh=_node_layout(intra_node, device_type),
             mesh_dim_names=MESH_DIM_NAMES_2D,
         )
     return _mesh_cache[key]
+
+
+def _node_layout(intra_node: Any, device_type: str) -> torch.Tensor:
+    """The (nodes, ranks per node) table of global ranks, learnt from every rank's intra-node group.
+
+    A tensor all-gather rather than an object collective: those need numpy.
+    """
+    node_ranks = torch.tensor(dist.get_process_group_ranks(intra_node), dtype=torch.int64,
+                              device=torch.device(device_type, torch.cuda.current_device())
+                              if device_type == "cuda" else "cpu")
+    everyones = [torch.empty_like(node_ranks) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyones, node_ranks)
+    layout = sorted({tuple(ranks.tolist()) for ranks in everyones})
+    return torch.tensor(layout, dtype=torch.int)

@@ -32,10 +32,18 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        # No qkv bias: the key bias gets a zero gradient (softmax ignores it), which Adam would
+        # turn into pure rounding noise and spoil value-by-value comparisons.
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
-        mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
+        mask = torch.empty(config.block_size, config.block_size, dtype=torch.bool)
         self.register_buffer("causal_mask", mask, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Only the mask is this module's own state; it lets meta-device init rebuild it."""
+        size = self.causal_mask.size(0)
+        self.causal_mask.copy_(torch.tril(torch.ones(size, size, dtype=torch.bool)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, channels = x.shape
@@ -88,7 +96,12 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        self.register_buffer("logit_scale", torch.tensor(0.5))
+        self.register_buffer("logit_scale", torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Only the buffer is this module's own state; it lets meta-device init rebuild it."""
+        self.logit_scale.fill_(0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.size(1), device=tokens.device)

@@ -22,8 +22,10 @@ from . import _engine, _mixed_precision, _optim_state, _runtime, _state_dict
 from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, warn_once
 from ._init_utils import (
     broadcast_from_rank0,
+    check_container_has_no_own_params,
     check_module,
     has_meta_states,
+    is_forwardless_container,
     materialize_meta_module,
     resolve_ignored_states,
 )
@@ -150,6 +152,16 @@ class FullyShardedDataParallel(nn.Module):
             nested._is_root = False
         _state_dict.init_state_dict_settings(self)
         _runtime.init_runtime_state(self)
+        if is_forwardless_container(module):
+            # FSDP1 lets a policy wrap a ModuleList whose children are all wrapped (the wrapper is
+            # then only iterated, never called); the engine refuses such containers, and with no
+            # parameters of their own they need no engine unit.
+            check_container_has_no_own_params(module, self._ignored_params)
+        else:
+            self._apply_engine(module)
+        _mixed_precision.init_unit(self)
+
+    def _apply_engine(self, module: nn.Module) -> None:
         _engine.apply_engine(
             module,
             mesh=self._device_mesh,
@@ -159,7 +171,6 @@ class FullyShardedDataParallel(nn.Module):
             offload_policy=_mixed_precision.engine_offload_policy(self.cpu_offload, self.compute_device),
             ignored_params=self._ignored_params,
         )
-        _mixed_precision.init_unit(self)
 
     # ------------------------------------------------------------------------------------------
     # Construction helpers

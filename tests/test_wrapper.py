@@ -1,0 +1,375 @@
+"""The wrapper's construction surface, compared with torch FSDP1: names, wrapping, arguments, errors."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import fsdp_compat
+from fsdp_compat import FullyShardedDataParallel as FSDP
+from fsdp_compat import wrap as our_wrap
+from fsdp_compat.examples import Block, GPTConfig, TinyGPT
+from fsdp_compat.testing import distributed_test
+from tests import differential as diff
+
+needs_fsdp1 = pytest.mark.skipif(not diff.HAVE_FSDP1, reason="torch no longer ships FSDP1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exports and drop-in use
+# ---------------------------------------------------------------------------------------------
+
+PUBLIC_NAMES = [
+    "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload",
+    "StateDictType", "StateDictSettings", "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig",
+    "ShardedStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig", "LocalOptimStateDictConfig",
+    "ShardedOptimStateDictConfig", "OptimStateKeyType",
+]
+WRAP_NAMES = ["ModuleWrapPolicy", "CustomPolicy", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
+              "lambda_auto_wrap_policy", "always_wrap_policy", "wrap", "enable_wrap"]
+
+
+def test_exports_every_public_fsdp1_name():
+    assert isinstance(fsdp_compat.__version__, str)
+    for name in PUBLIC_NAMES:
+        assert hasattr(fsdp_compat, name), name
+    for name in WRAP_NAMES:
+        assert hasattr(fsdp_compat.wrap, name), name
+
+
+@needs_fsdp1
+def test_enums_interoperate_with_torchs():
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy, StateDictType as TorchType
+
+    assert fsdp_compat.StateDictType.FULL_STATE_DICT == TorchType.FULL_STATE_DICT
+    assert TorchType.FULL_STATE_DICT == fsdp_compat.StateDictType.FULL_STATE_DICT
+    assert fsdp_compat.ShardingStrategy.NO_SHARD != TorchStrategy.FULL_SHARD
+    assert {TorchStrategy.NO_SHARD: 1}[fsdp_compat.ShardingStrategy.NO_SHARD] == 1
+
+
+@distributed_test(world_size=2)
+def test_drop_in_script_with_torch_config_objects():
+    """A typical FSDP1 script: every config name from torch, only the class from fsdp_compat."""
+    diff.quiet()
+    from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullStateDictConfig,
+                                        ShardingStrategy, StateDictType)
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    def script(wrapper_class):
+        model = wrapper_class(
+            diff.make_model(),
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            cpu_offload=CPUOffload(offload_params=False),
+            device_id=diff.device(),
+            use_orig_params=True,
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = diff.train(model, optimizer, 3)
+        with wrapper_class.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                           FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
+            state = model.state_dict()
+        return losses, state
+
+    ours_losses, ours_state = script(FSDP)
+    reference_losses, reference_params = diff.reference_run("adamw", 3, )
+    diff.assert_close_lists(ours_losses, reference_losses[:3])
+    if diff.HAVE_FSDP1:
+        fsdp1_losses, fsdp1_state = script(diff.TorchFSDP)
+        diff.assert_close_lists(ours_losses, fsdp1_losses)
+        assert list(ours_state) == list(fsdp1_state)
+        diff.assert_close_dicts(ours_state, dict(fsdp1_state), what="FULL state dict")
+
+
+# ---------------------------------------------------------------------------------------------
+# Names, nesting and the module surface
+# ---------------------------------------------------------------------------------------------
+
+@needs_fsdp1
+@distributed_test(world_size=2)
+def test_parameter_names_match_fsdp1_with_orig_params():
+    diff.quiet()
+    ours = FSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch())
+    theirs = diff.TorchFSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch(),
+                            use_orig_params=True, **diff.fsdp1_kwargs())
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    assert [n for n, _ in ours.named_buffers()] == [n for n, _ in theirs.named_buffers()]
+    assert [n for n, _ in ours.named_modules()] == [n for n, _ in theirs.named_modules()]
+    assert all(isinstance(p, DTensor) for p in ours.parameters())
+
+
+@distributed_test(world_size=2)
+def test_module_surface():
+    diff.quiet()
+    inner = diff.make_model()
+    model = FSDP(inner, auto_wrap_policy=our_wrap.ModuleWrapPolicy({Block}))
+    assert model.module is inner and model._fsdp_wrapped_module is inner
+    assert model.config is inner.config  # attribute forwarding
+    units = FSDP.fsdp_modules(model)
+    assert units[0] is model and len(units) == 1 + GPTConfig().n_layer
+    assert FSDP.fsdp_modules(model, root_only=True) == [model]
+    assert model.check_is_root() and not units[1].check_is_root()
+    assert isinstance(inner.blocks[0], FSDP)
+    sequential = FSDP(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert isinstance(sequential[0], nn.Linear)  # __getitem__ forwarding
+
+
+@distributed_test(world_size=2)
+def test_manual_nesting_and_enable_wrap_match_auto_wrap():
+    diff.quiet()
+    auto = FSDP(diff.make_model(), auto_wrap_policy=our_wrap.ModuleWrapPolicy({Block}))
+
+    manual_inner = diff.make_model()
+    for index, block in enumerate(manual_inner.blocks):
+        manual_inner.blocks[index] = FSDP(block)
+    manual = FSDP(manual_inner)
+
+    context_inner = diff.make_model()
+    with our_wrap.enable_wrap(wrapper_cls=FSDP, sharding_strategy=fsdp_compat.ShardingStrategy.FULL_SHARD):
+        for index, block in enumerate(context_inner.blocks):
+            context_inner.blocks[index] = our_wrap.wrap(block)
+        context = our_wrap.wrap(context_inner)
+
+    names = [n for n, _ in auto.named_parameters()]
+    reference_losses, reference_params = diff.reference_run("sgd", 3)
+    for model in (manual, context):
+        assert [n for n, _ in model.named_parameters()] == names
+        assert len(FSDP.fsdp_modules(model)) == len(FSDP.fsdp_modules(auto))
+        losses = diff.train(model, diff.make_optimizer("sgd", model.parameters()), 3)
+        diff.assert_close_lists(losses, reference_losses)
+        diff.assert_close_dicts(diff.full_parameters(model), reference_params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Auto-wrap policies: the same units as FSDP1 for every kind of policy, ours and torch's
+# ---------------------------------------------------------------------------------------------
+
+def _policies(wrap_module):
+    return {
+        "module": wrap_module.ModuleWrapPolicy({Block, nn.LayerNorm}),
+        "custom": wrap_module.CustomPolicy(lambda m: isinstance(m, nn.Linear) and m.out_features > 40),
+        "transformer": functools.partial(wrap_module.transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        "size": functools.partial(wrap_module.size_based_auto_wrap_policy, min_num_params=3000),
+        "lambda": functools.partial(wrap_module.lambda_auto_wrap_policy,
+                                    lambda_fn=lambda m: isinstance(m, nn.Embedding)),
+        "always": wrap_module.always_wrap_policy,
+    }
+
+
+def _unit_names(model: nn.Module, wrapper_class) -> list[str]:
+    return [diff.clean_name(name) for name, module in model.named_modules() if isinstance(module, wrapper_class)]
+
+
+@needs_fsdp1
+@pytest.mark.parametrize("policy_name", ["module", "custom", "transformer", "size", "lambda", "always"])
+@distributed_test(world_size=1)
+def test_wrapped_units_match_fsdp1(policy_name):
+    diff.quiet()
+    expected = _unit_names(diff.TorchFSDP(diff.make_model(), auto_wrap_policy=_policies(diff.torch_wrap)[policy_name],
+                                          **diff.fsdp1_kwargs()), diff.TorchFSDP)
+    from_torch_policy = _unit_names(FSDP(diff.make_model(), auto_wrap_policy=_policies(diff.torch_wrap)[policy_name]), FSDP)
+    from_our_policy = _unit_names(FSDP(diff.make_model(), auto_wrap_policy=_policies(our_wrap)[policy_name]), FSDP)
+    assert from_torch_policy == expected
+    assert from_our_policy == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments: meta init, sync_module_states, ignored states, device_id, hybrid layouts, checkpointing
+# ---------------------------------------------------------------------------------------------
+
+@distributed_test(world_size=2)
+def test_meta_device_model_gets_eager_values():
+    diff.quiet()
+    eager = diff.full_parameters(diff.make_model(seed=3))
+    with torch.device("meta"):
+        meta_model = TinyGPT()
+    torch.manual_seed(3)
+    model = FSDP(meta_model, auto_wrap_policy=our_wrap.ModuleWrapPolicy({Block}), device_id=diff.device())
+    diff.assert_close_dicts(diff.full_parameters(model), eager, rtol=0)
+    assert model.module.head.weight is model.module.tok_emb.weight
+    assert model.module.logit_scale.item() == 0.5
+
+
+@distributed_test(world_size=2)
+def test_param_init_fn_is_used_for_meta_models():
+    diff.quiet()
+    with torch.device("meta"):
+        meta_model = TinyGPT()
+    seen = []
+
+    def init(module: nn.Module) -> None:
+        seen.append(type(module).__name__)
+        module.to_empty(device=diff.device())
+        with torch.no_grad():
+            for param in module.parameters():
+                param.fill_(0.25)
+            for buffer in module.buffers():
+                buffer.fill_(1)
+
+    model = FSDP(meta_model, param_init_fn=init)
+    assert seen == ["TinyGPT"]
+    assert all(torch.all(value == 0.25) for value in diff.full_parameters(model).values())
+
+
+@distributed_test(world_size=2)
+def test_sync_module_states_gives_rank0_values():
+    diff.quiet()
+    model = FSDP(diff.make_model(seed=dist.get_rank()), auto_wrap_policy=our_wrap.ModuleWrapPolicy({Block}),
+                 sync_module_states=True)
+    diff.assert_close_dicts(diff.full_parameters(model), diff.full_parameters(diff.make_model(seed=0)), rtol=0)
+
+
+@pytest.mark.parametrize("how", ["ignored_modules", "ignored_states_modules", "ignored_states_params"])
+@distributed_test(world_size=2)
+def test_ignored_states_train_like_fsdp1(how):
+    diff.quiet()
+
+    def build(wrapper_class, extra):
+        inner = diff.make_model()
+        ignored = {"ignored_modules": {"ignored_modules": [inner.ln_f]},
+                   "ignored_states_modules": {"ignored_states": [inner.ln_f]},
+                   "ignored_states_params": {"ignored_states": list(inner.ln_f.parameters())}}[how]
+        model = wrapper_class(inner, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True,
+                              **ignored, **extra)
+        return model, inner
+
+    model, inner = build(FSDP, {})
+    assert not isinstance(inner.ln_f.weight, DTensor) and inner.ln_f.weight.shape == (GPTConfig().n_embd,)
+    losses = diff.train(model, diff.make_optimizer("adamw", model.parameters()), 3)
+    if diff.HAVE_FSDP1:
+        theirs, _ = build(diff.TorchFSDP, diff.fsdp1_kwargs())
+        fsdp1_losses = diff.train(theirs, diff.make_optimizer("adamw", theirs.parameters()), 3)
+        diff.assert_close_lists(losses, fsdp1_losses)
+        ours_params = diff.full_parameters(model)
+        with diff.TorchFSDP.summon_full_params(theirs):
+            theirs_params = {diff.clean_name(n): p.detach().clone() for n, p in theirs.named_parameters()}
+        diff.assert_close_dicts(ours_params, theirs_params)
+
+
+@distributed_test(world_size=2)
+def test_device_id_cpu_and_device_placement():
+    diff.quiet()
+    model = FSDP(diff.make_model(), device_id=torch.device("cpu"))
+    assert model.compute_device == torch.device("cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("layout", ["process_group_tuple", "automatic"])
+@distributed_test(world_size=4)
+def test_hybrid_layouts_train_like_reference(layout):
+    diff.quiet()
+    if layout == "process_group_tuple":
+        ranks = list(range(4))
+        intra_groups = [dist.new_group(ranks[:2]), dist.new_group(ranks[2:])]
+        inter_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        rank = dist.get_rank()
+        extra = {"process_group": (intra_groups[rank // 2], inter_groups[rank % 2])}
+    else:
+        extra = {}
+    model = FSDP(diff.make_model(), sharding_strategy=fsdp_compat.ShardingStrategy.HYBRID_SHARD,
+                 auto_wrap_policy=our_wrap.ModuleWrapPolicy({Block}), **extra)
+    assert model._device_mesh.ndim == 2
+    if layout == "process_group_tuple":
+        assert model._device_mesh.shape == (2, 2)
+    losses = diff.train(model, diff.make_optimizer("adamw", model.parameters()), 3)
+    reference_losses, reference_params = diff.reference_run("adamw", 3)
+    diff.assert_close_lists(losses, reference_losses)
+    diff.assert_close_dicts(diff.full_parameters(model), reference_params)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@distributed_test(world_size=2)
+def test_activation_checkpointing_before_or_after_wrapping(when):
+    diff.quiet()
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+    wrapper_fn = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    inner = diff.make_model()
+    if when == "before":
+        apply_activation_checkpointing(inner, checkpoint_wrapper_fn=wrapper_fn,
+                                       check_fn=lambda m: isinstance(m, Block))
+        model = FSDP(inner, auto_wrap_policy=our_wrap.ModuleWrapPolicy({Block}))
+    else:
+        model = FSDP(inner, auto_wrap_policy=our_wrap.ModuleWrapPolicy({Block}))
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper_fn,
+                                       check_fn=lambda m: isinstance(m, Block))
+    assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_parameters())
+    losses = diff.train(model, diff.make_optimizer("sgd", model.parameters()), 3)
+    reference_losses, reference_params = diff.reference_run("sgd", 3)
+    diff.assert_close_lists(losses, reference_losses)
+    diff.assert_close_dicts(diff.full_parameters(model), reference_params)
+    assert set(model.state_dict()) == set(diff.make_model().state_dict())
+
+
+@distributed_test(world_size=2)
+def test_moot_options_warn_once():
+    import fsdp_compat._common as common
+
+    common._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP(nn.Linear(4, 4), limit_all_gathers=False)
+        FSDP(nn.Linear(4, 4), limit_all_gathers=False)
+    assert sum("limit_all_gathers" in str(w.message) for w in caught) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: FSDP1's exception types, clear messages
+# ---------------------------------------------------------------------------------------------
+
+def _bad_calls():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(diff.device().type, (dist.get_world_size(),))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    return {
+        "process_group and device_mesh": (lambda cls, kw: cls(nn.Linear(2, 2), process_group=dist.group.WORLD,
+                                                                device_mesh=mesh, **kw), ValueError),
+        "ignored_modules and ignored_states": (lambda cls, kw: cls(model, ignored_modules=[model[0]],
+                                                                     ignored_states=[model[0].weight], **kw), ValueError),
+        "mixed ignored_states": (lambda cls, kw: cls(model, ignored_states=[model[0], model[1].weight], **kw), ValueError),
+        "not a module": (lambda cls, kw: cls("model", **kw), AttributeError),
+        "hybrid with 1-D mesh": (lambda cls, kw: cls(nn.Linear(2, 2), device_mesh=mesh,
+                                                     sharding_strategy=fsdp_compat.ShardingStrategy.HYBRID_SHARD, **kw),
+                                 ValueError),
+        "hybrid with one group": (lambda cls, kw: cls(nn.Linear(2, 2), process_group=dist.group.WORLD,
+                                                      sharding_strategy=fsdp_compat.ShardingStrategy.HYBRID_SHARD, **kw),
+                                  ValueError),
+    }
+
+
+@pytest.mark.parametrize("case", ["process group and device_mesh", "ignored_modules and ignored_states",
+                                  "mixed ignored_states", "not a module", "hybrid with 1-D mesh",
+                                  "hybrid with one group"])
+@distributed_test(world_size=2)
+def test_bad_arguments_raise_fsdp1_exception_type(case):
+    diff.quiet()
+    call, expected = _bad_calls()[case.replace("process group", "process_group")]
+    with pytest.raises(expected) as ours:
+        call(FSDP, {})
+    assert len(str(ours.value)) > 20
+    if diff.HAVE_FSDP1:
+        with pytest.raises(expected):
+            call(diff.TorchFSDP, diff.fsdp1_kwargs())
+
+
+@pytest.mark.parametrize("case", ["unknown strategy", "ignored module outside", "ignored parameter outside"])
+@distributed_test(world_size=1)
+def test_bad_arguments_fsdp1_accepts_silently_raise_value_error(case):
+    model = nn.Sequential(nn.Linear(4, 4))
+    outsider = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="must|not"):
+        if case == "unknown strategy":
+            FSDP(model, sharding_strategy="FULL_SHARD")
+        elif case == "ignored module outside":
+            FSDP(model, ignored_modules=[outsider])
+        else:
+            FSDP(model, ignored_states=[outsider.weight])
