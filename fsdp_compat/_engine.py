@@ -204,7 +204,7 @@ def recover_interrupted_iteration(module: nn.Module) -> bool:
     if (state is None or state._is_root is not True or torch._C._current_graph_task_id() != -1
             or not iteration_in_progress(module)):
         return False
-    module.reset_iter_state()
+    reset_iteration(module)
     for unit_state in state._state_ctx.all_states:
         for group in unit_state._fsdp_param_groups:
             for fsdp_param in group.fsdp_params:
@@ -235,15 +235,18 @@ class _CommHookReduceScatter(ReduceScatter):
         return None
 
 
-_this_rank_group: Any = None
+_this_rank_group: tuple[Any, Any] = (None, None)  # (default group it was made in, the group)
 
 
 def _group_of_this_rank_only() -> Any:
-    """A one-rank process group: the engine's own all-reduce over it is a no-op."""
+    """A one-rank process group: the engine's own all-reduce over it is a no-op. Made once per
+    default process group (a re-initialised world gets a new one)."""
     global _this_rank_group
-    if _this_rank_group is None:
-        _this_rank_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return _this_rank_group
+    world, group = _this_rank_group
+    if world is not dist.group.WORLD:
+        group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        _this_rank_group = (dist.group.WORLD, group)
+    return group
 
 
 def install_comm_hook(module: nn.Module, hook: Callable[..., Any], state: object) -> None:
@@ -262,3 +265,15 @@ def install_comm_hook(module: nn.Module, hook: Callable[..., Any], state: object
         mesh_info.replicate_process_group = _group_of_this_rank_only()
         group.mesh_info = mesh_info
         group._all_reduce_hook = lambda grad, hook=hook, state=state: hook(state, grad)
+
+
+# ---- state dicts (``_state_dict``) ----
+
+
+def engine_module(module: nn.Module) -> nn.Module:
+    """The engine unit a wrapper holds: ``wrapper.module`` itself, or the module inside the
+    activation-checkpoint wrappers that ``apply_activation_checkpointing`` put around it after
+    wrapping (FSDP1 recipes do this); the engine's state lives on the inner module."""
+    while not isinstance(module, FSDPModule) and hasattr(module, "_checkpoint_wrapped_module"):
+        module = module._checkpoint_wrapped_module
+    return module

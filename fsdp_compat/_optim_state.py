@@ -1,46 +1,635 @@
-"""Optimizer state dicts: FSDP1's whole family, keyed and shaped exactly as FSDP1's."""
+"""Optimizer state dicts: FSDP1's whole family, keyed and shaped exactly as FSDP1's.
+
+The user's optimizer holds the engine's sharded ``DTensor`` parameters, so its own state
+(``exp_avg``, ``momentum_buffer``...) is made of DTensors sharded like their parameters, keyed by
+integer ids. FSDP1's formats are keyed by clean parameter names instead:
+
+* FULL: each state tensor unsharded (plain ``torch.Tensor``), optionally on rank 0 only;
+* SHARDED: each state tensor this rank's DTensor shard (FSDP1 writes ``ShardedTensor``; DTensor is
+  the engine's form and what ``torch.distributed.checkpoint`` prefers, and loading accepts both).
+
+Saving converts the optimizer's id-keyed state to one of these (``_export``); loading converts
+either back to the optimizer's ids and this model's layout (``_import``), after validating the
+whole input, so bad input raises before anything is touched. Order of keys, ``param_groups``
+contents and the treatment of scalar state (Adam's ``step``) follow FSDP1's output.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 
-def full_optim_state_dict(model: Any, optim: Any, optim_input: Any = None, rank0_only: bool = True,
-                          group: Any = None) -> dict[str, Any]:
-    raise NotImplementedError
+from . import _engine, _state_dict
+from ._common import clean_name
+from ._mesh import flatten_to_1d
+from ._tensor_layout import (
+    copy_to,
+    full_tensor,
+    full_tensors,
+    is_replicated_only,
+    is_sharded_tensor,
+    local_copy,
+    to_layout_of,
+)
+from .api import OptimStateKeyType, StateDictType
 
+__all__ = [
+    "flatten_sharded_optim_state_dict",
+    "full_optim_state_dict",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "rekey_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "sharded_optim_state_dict",
+]
 
-def sharded_optim_state_dict(model: Any, optim: Any, group: Any = None) -> dict[str, Any]:
-    raise NotImplementedError
-
-
-def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: Any, optim_input: Any = None,
-                                optim: Any = None) -> dict[str, Any]:
-    raise NotImplementedError
-
-
-def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: Any,
-                                     optim: Any) -> dict[str, Any]:
-    raise NotImplementedError
-
-
-def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: Any,
-                                  optim_input: Any = None, optim: Any = None,
-                                  group: Any = None) -> dict[str, Any]:
-    raise NotImplementedError
-
-
-def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: Any, model: Any,
-                           optim_input: Any = None, optim: Any = None) -> dict[str, Any]:
-    raise NotImplementedError
-
-
-def optim_state_dict(model: Any, optim: Any, optim_state_dict: dict[str, Any] | None = None,
-                     group: Any = None) -> dict[str, Any]:
-    raise NotImplementedError
+ParamKey = int | str
+OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
 
 
-def optim_state_dict_to_load(model: Any, optim: Any, optim_state_dict: dict[str, Any],
-                             is_named_optimizer: bool = False, load_directly: bool = False,
+# ---------------------------------------------------------------------------------------------
+# Deprecation warnings, worded as FSDP1's (users filter on the text)
+# ---------------------------------------------------------------------------------------------
+
+def _warn_legacy(current: str, replacement: str) -> None:
+    warnings.warn(
+        f"``FullyShardedDataParallel.{current}``is being deprecated and is "
+        f"replaced by ``FullyShardedDataParallel.{replacement}``. "
+        f"``FullyShardedDataParallel.{current}`` may be removed after PyTorch 2.2.",
+        FutureWarning,
+        stacklevel=3,  # the caller of the public method
+    )
+
+
+def _warn_optim_input(optim_input: OptimInput) -> None:
+    if optim_input is not None:
+        warnings.warn(
+            "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
+            "You may remove it from your code without changing its functionality.",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Which parameter is which: optimizer keys, clean names, owning units
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _ParamIndex:
+    """The parameters an optimizer was built on, under every name the formats use."""
+
+    groups: list[list[nn.Parameter]]        # the optimizer's groups (or ``optim_input``'s)
+    key_of: dict[nn.Parameter, ParamKey]    # the optimizer's key: id, or name for named optimizers
+    param_of_key: dict[ParamKey, nn.Parameter]
+    fqn_of: dict[nn.Parameter, str]         # clean FQN; a tied parameter's first name, as FSDP1
+    param_of_fqn: dict[str, nn.Parameter]
+    flat_order: bool                        # FSDP1 ``use_orig_params=False`` ordering of names
+    unit_of: dict[nn.Parameter, int]        # pre-order index of the owning unit (managed only)
+    flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
+
+    def fqns(self, params: Iterable[nn.Parameter]) -> list[str]:
+        return [self.fqn_of[param] for param in params]
+
+
+def _wrappers(model: nn.Module) -> list[nn.Module]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.fsdp_modules(model)
+
+
+def _uses_flat_params(wrappers: list[nn.Module]) -> bool:
+    """FSDP1's ``use_orig_params=False`` ordering applies; all units must agree, as FSDP1 checks."""
+    settings = {wrapper._use_orig_params for wrapper in wrappers}
+    if len(settings) > 1:
+        raise AssertionError("Not all FSDP modules have the same _use_orig_params value")
+    return settings == {False}
+
+
+def _input_groups(model: nn.Module, optim: Any, optim_input: OptimInput) -> list[list[nn.Parameter]]:
+    """Parameter groups in id order: from ``optim_input`` if given (FSDP1's deprecated path), else
+    from the optimizer, else ``model.parameters()`` (FSDP1's default)."""
+    if optim_input is None and optim is not None:
+        return [list(group["params"]) for group in optim.param_groups]
+    if optim_input is None:
+        return [list(model.parameters())]
+    given = list(optim_input)
+    if given and isinstance(given[0], dict):
+        return [list(group["params"]) for group in given]
+    return [given]
+
+
+def _unit_ownership(wrappers: list[nn.Module]) -> dict[nn.Parameter, int]:
+    """Each engine-managed parameter's unit, as an index into the pre-order list of wrappers."""
+    owner: dict[nn.Parameter, int] = {}
+    for index, wrapper in enumerate(wrappers):
+        for param in _engine.sharded_params(wrapper.module):
+            owner[param] = index
+    return owner
+
+
+def _flat_positions(model: nn.Module, wrappers: list[nn.Module],
+                    unit_of: dict[nn.Parameter, int]) -> dict[nn.Parameter, int]:
+    """Positions in ``model.parameters()`` of an FSDP1 ``use_orig_params=False`` model: a unit's
+    parameters sit together (its ``FlatParameter``) where its wrapper is; others stay in place."""
+    unit_params: dict[int, list[nn.Parameter]] = {}
+    for param, unit in unit_of.items():
+        unit_params.setdefault(unit, []).append(param)
+    wrapper_index = {id(wrapper): index for index, wrapper in enumerate(wrappers)}
+    position: dict[nn.Parameter, int] = {}
+    for module in model.modules():
+        unit = wrapper_index.get(id(module))
+        for param in unit_params.get(unit, []) if unit is not None else []:
+            position.setdefault(param, len(position))
+        for param in module.parameters(recurse=False):
+            position.setdefault(param, len(position))
+    return position
+
+
+def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = None,
+                 named_keys: bool = False) -> _ParamIndex:
+    """Index the optimizer's parameters; ``KeyError`` if one is not a parameter of ``model``."""
+    fqn_of: dict[nn.Parameter, str] = {}
+    raw_name_of: dict[nn.Parameter, str] = {}
+    for name, param in model.named_parameters():  # deduplicated: a tied parameter's first name
+        fqn_of.setdefault(param, clean_name(name))
+        raw_name_of.setdefault(param, name)
+    groups = _input_groups(model, optim, optim_input)
+    strangers = [tuple(param.shape) for group in groups for param in group if param not in fqn_of]
+    if strangers:
+        raise KeyError(f"The optimizer holds {len(strangers)} parameter(s) (shapes {strangers[:5]}) "
+                       "that are not parameters of the model passed in; pass the model whose "
+                       "parameters the optimizer was built on")
+    ordered = [param for group in groups for param in group]
+    key_of = {param: (raw_name_of[param] if named_keys else position)
+              for position, param in enumerate(ordered)}
+    wrappers = _wrappers(model)
+    unit_of = _unit_ownership(wrappers)
+    return _ParamIndex(
+        groups=groups,
+        key_of=key_of,
+        param_of_key={key: param for param, key in key_of.items()},
+        fqn_of=fqn_of,
+        param_of_fqn={fqn: param for param, fqn in fqn_of.items()},
+        flat_order=_uses_flat_params(wrappers),
+        unit_of=unit_of,
+        flat_position=_flat_positions(model, wrappers, unit_of),
+    )
+
+
+def _group_fqns(index: _ParamIndex, params: list[nn.Parameter]) -> list[str]:
+    """A group's ``params`` names as FSDP1 lists them: optimizer order, or with
+    ``use_orig_params=False`` grouped by flat parameter (stable within one)."""
+    if index.flat_order:
+        params = sorted(params, key=lambda param: index.flat_position.get(param, -1))
+    return index.fqns(params)
+
+
+def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The order of FSDP1's ``state`` keys.
+
+    ``use_orig_params=False``: flat-parameter order. ``use_orig_params=True``: FSDP1 sorts names,
+    puts parameters it does not manage (ignored) first, then each unit's parameters together,
+    units in the order of their first sorted name.
+    """
+    if index.flat_order:
+        return sorted(with_state, key=lambda param: index.flat_position.get(param, -1))
+    by_name = sorted(with_state, key=lambda param: index.fqn_of[param])
+    unmanaged = [param for param in by_name if param not in index.unit_of]
+    units: dict[int, list[nn.Parameter]] = {}
+    for param in by_name:
+        if param in index.unit_of:
+            units.setdefault(index.unit_of[param], []).append(param)
+    return unmanaged + [param for params in units.values() for param in params]
+
+
+def _state_name_order(index: _ParamIndex, param: nn.Parameter, state: Mapping[str, Any]) -> list[str]:
+    """The order of one parameter's state names in FSDP1's output.
+
+    FSDP1 rebuilds the per-parameter dict of a parameter it manages from sorted pieces: with
+    ``use_orig_params=False`` tensors, then scalar tensors, then other values; with ``True``
+    (when it gathers: sharded, more than one rank) other values, scalar tensors, then tensors.
+    Otherwise it copies the optimizer's dict, order included.
+    """
+    if param not in index.unit_of or (not index.flat_order and _replicated(param)):
+        return list(state)
+
+    def kind(name: str) -> int:  # 0: tensor, 1: scalar tensor, 2: other
+        value = state[name]
+        return 2 if not torch.is_tensor(value) else int(value.dim() == 0)
+
+    if index.flat_order:
+        return sorted(state, key=lambda name: (kind(name), name))
+    return sorted(state, key=lambda name: (-kind(name), name))
+
+
+def _replicated(param: nn.Parameter) -> bool:
+    """Whether FSDP1 would not gather this parameter's state: it is not split over two or more
+    ranks (``NO_SHARD``, or a shard group of one rank)."""
+    if not isinstance(param, DTensor):
+        return True
+    mesh = param.device_mesh
+    shard_dims = [dim for dim, placement in enumerate(param.placements) if not isinstance(placement, Replicate)]
+    return math.prod(mesh.size(dim) for dim in shard_dims) == 1
+
+
+def _model_group(model: nn.Module, group: Any) -> Any:
+    """The group spanning every rank of the model: ``group`` if given, else the root mesh's."""
+    if group is not None:
+        return group
+    wrappers = _wrappers(model)
+    if not wrappers:
+        return dist.group.WORLD
+    return flatten_to_1d(wrappers[0]._device_mesh).get_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving: optimizer ids and engine shards -> FSDP1 names, FULL or SHARDED
+# ---------------------------------------------------------------------------------------------
+
+def _export_value(value: Any, *, sharded: bool, offload: bool) -> Any:
+    """One state value in the saved layout, as new memory."""
+    device = "cpu" if offload else None
+    if isinstance(value, DTensor):
+        if sharded and not is_replicated_only(value):
+            return local_copy(value, device)
+        # FULL, or NO_SHARD's replicated state (FSDP1's SHARDED form holds full tensors there).
+        full = full_tensor(value)
+        return full.cpu() if offload else full
+    if torch.is_tensor(value):
+        return copy_to(value, device)
+    return copy.deepcopy(value)
+
+
+def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, Any]], *,
+                   sharded: bool, offload: bool, keep: bool) -> dict[str, dict[str, Any]]:
+    """Each parameter's state in the saved layout, names in FSDP1's order, as new memory.
+    ``keep=False`` (rank0_only, not rank 0): take part in the gathers, keep nothing."""
+    gathered = {} if sharded else _gather_full_states(index, states, offload, keep)
+    if not keep:
+        return {}
+    return {index.fqn_of[param]: {
+                name: gathered[param, name] if (param, name) in gathered
+                else _export_value(state[name], sharded=sharded, offload=offload)
+                for name in _state_name_order(index, param, state)}
+            for param, state in states.items()}
+
+
+def _gather_full_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, Any]],
+                        offload: bool, keep: bool) -> dict[tuple[nn.Parameter, str], torch.Tensor]:
+    """Every sharded state tensor unsharded, one batch per unit (FSDP1 gathers per
+    FlatParameter too): a few all-gathers instead of one per tensor, and at most one unit's
+    full state alive at a time on ranks that keep nothing."""
+    batches: dict[int | None, list[tuple[nn.Parameter, str]]] = {}
+    for param, state in states.items():
+        for name, value in state.items():
+            if isinstance(value, DTensor):
+                batches.setdefault(index.unit_of.get(param), []).append((param, name))
+    gathered = {}
+    for keys in batches.values():
+        fulls = full_tensors([states[param][name] for param, name in keys])
+        if keep:
+            gathered.update((key, full.cpu() if offload else full) for key, full in zip(keys, fulls))
+    return gathered
+
+
+def _check_same_structure(signature: list[Any], group: Any) -> None:
+    """Every rank must hold state for the same parameters, or the gathers would not pair up."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, signature, group=group)
+    if any(other != signature for other in everyone):
+        raise RuntimeError("Ranks hold optimizer state for different parameters or state names; "
+                           "every rank must step the same optimizer over the same model")
+
+
+def _export(model: nn.Module, optim: Any, source: Mapping[str, Any], *, sharded: bool,
+            rank0_only: bool, offload: bool, group: Any, optim_input: OptimInput = None) -> dict[str, Any]:
+    """``source`` (an ``optim.state_dict()``: ids -> engine shards) keyed by clean names, FULL
+    or SHARDED. Every rank must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
+    state_in = source["state"]
+    named = bool(state_in) and all(isinstance(key, str) for key in state_in)
+    index = _param_index(model, optim, optim_input, named_keys=named)
+    group = _model_group(model, group)
+    with_state = [param for param in index.key_of if index.key_of[param] in state_in]
+    ordered = _state_order(index, with_state)
+    if dist.is_initialized():
+        _check_same_structure([(index.fqn_of[p], list(state_in[index.key_of[p]])) for p in ordered],
+                              group)
+    to_save = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
+    state_out = _export_states(index, {param: state_in[index.key_of[param]] for param in ordered},
+                               sharded=sharded, offload=offload, keep=to_save)
+    if not to_save:
+        return {}
+    for key in state_in:
+        if key not in index.param_of_key:  # FSDP1 copies such entries through, with this warning
+            warnings.warn(
+                f"Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy "
+                "everything to the returned state_dict. In most cases, this is a user-defined "
+                "state that is not associated with any particular parameter.", stacklevel=3)
+            state_out[key] = _export_value(state_in[key], sharded=sharded, offload=offload)
+    result: dict[str, Any] = {"state": state_out}
+    if "param_groups" in source:
+        result["param_groups"] = [_named_group(saved, index) for saved in source["param_groups"]]
+    return result
+
+
+def _named_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]:
+    group = copy.deepcopy({key: value for key, value in saved.items() if key != "params"})
+    params = [index.param_of_key[key] for key in saved["params"]]
+    return {**group, "params": _group_fqns(index, params)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: FSDP1 names (FULL / SHARDED / ShardedTensor) -> optimizer ids and engine shards
+# ---------------------------------------------------------------------------------------------
+
+def _check_keys_are_names(keys: list[Any]) -> None:
+    if all(isinstance(key, str) for key in keys):
+        return
+    if all(isinstance(key, int) for key in keys):
+        raise ValueError(
+            "This optimizer state dict is keyed by parameter ids (an optimizer's own state_dict()), "
+            "but FSDP's loaders take parameter names; convert it first with "
+            "FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim=optim)")
+    raise ValueError(f"Invalid parameter keys: {keys}; the state must be keyed by parameter names only")
+
+
+def _validate_for_load(osd: Any, index: _ParamIndex) -> None:
+    """Everything that can be wrong with ``osd`` for this model and optimizer, before any work.
+
+    Exception types are FSDP1's where it raises (``ValueError`` for a missing ``state``,
+    ``KeyError`` for names of another model); where FSDP1 only fails later in
+    ``optim.load_state_dict``, the type that call raises.
+    """
+    if not isinstance(osd, Mapping) or "state" not in osd:
+        raise ValueError('`optim_state_dict` must have the keys "state" and "param_groups" to be a '
+                         "valid optimizer state dict; pass what FSDP.optim_state_dict (or "
+                         f"full_optim_state_dict) returned, not {type(osd).__name__}")
+    if "param_groups" not in osd:
+        raise KeyError("The optimizer state dict has no 'param_groups'; pass the whole dict that "
+                       "FSDP.optim_state_dict (or full_optim_state_dict) returned")
+    state, saved_groups = osd["state"], osd["param_groups"]
+    _check_keys_are_names(list(state))
+    known = {index.fqn_of[param] for param in index.key_of}
+    unknown = [name for name in state if name not in known]
+    unknown += [name for group in saved_groups for name in group["params"] if name not in known]
+    if unknown:
+        raise KeyError(f"The optimizer state dict names parameters this model's optimizer does not "
+                       f"hold: {sorted(set(unknown))[:10]}; is it the state of another model?")
+    if len(saved_groups) != len(index.groups):
+        raise ValueError(f"loaded state dict has a different number of parameter groups "
+                         f"({len(saved_groups)}) than the optimizer ({len(index.groups)}); build the "
+                         "optimizer with the same parameter groups as the one that was saved")
+    for number, (saved, current) in enumerate(zip(saved_groups, index.groups)):
+        if sorted(saved["params"]) != sorted(index.fqns(current)):
+            raise ValueError(f"Parameter group {number} of the loaded state dict holds other "
+                             f"parameters than the optimizer's group {number}; build the optimizer "
+                             "with the same parameter groups as the one that was saved")
+    for name, param_state in state.items():
+        _validate_param_state(name, param_state, index.param_of_fqn[name])
+
+
+def _validate_param_state(name: str, param_state: Any, param: nn.Parameter) -> None:
+    if not isinstance(param_state, Mapping):
+        raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
+                         f"not {type(param_state).__name__}")
+    for state_name, value in param_state.items():
+        if _is_tensor_like(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
+                             f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
+                             "not belong to this model")
+
+
+def _is_tensor_like(value: Any) -> bool:
+    return torch.is_tensor(value) or is_sharded_tensor(value)
+
+
+def _import_value(value: Any, param: nn.Parameter) -> Any:
+    """One saved state value in the layout of ``param``'s state, as new memory."""
+    if not _is_tensor_like(value):
+        return copy.deepcopy(value)
+    if len(value.shape) == 0:  # scalar state (``step``): the optimizer places it itself
+        return copy_to(value.to_local() if isinstance(value, DTensor) else value)
+    return to_layout_of(value, param)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorPlaceholder:
+    """A tensor left out of the structure rank 0 broadcasts; it follows on its own."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
+    """``osd`` with every non-scalar tensor replaced by a placeholder (cheap to pickle)."""
+    def strip(value: Any) -> Any:
+        if torch.is_tensor(value) and value.dim() > 0:
+            return _TensorPlaceholder(tuple(value.shape), value.dtype)
+        return value.cpu() if torch.is_tensor(value) else value
+
+    return {"state": {name: {state_name: strip(value) for state_name, value in param_state.items()}
+                      for name, param_state in osd["state"].items()},
+            "param_groups": osd["param_groups"]}
+
+
+def _broadcast_checked(osd: Any, index: _ParamIndex, group: Any) -> dict[str, Any]:
+    """Rank 0 validates its ``osd`` and broadcasts the structure (or its error, so every rank
+    raises it instead of waiting); each tensor then follows, filled in where rank 0 had it."""
+    message: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            _validate_for_load(osd, index)
+            for param_state in osd["state"].values():
+                for value in param_state.values():
+                    if isinstance(value, DTensor) or is_sharded_tensor(value):
+                        raise ValueError("A full optimizer state dict holds plain tensors; pass "
+                                         "what full_optim_state_dict / FULL optim_state_dict returned")
+            message[0] = ("ok", _skeleton(osd))
+        except Exception as error:  # every rank raises it, none waits for tensors that never come
+            message[0] = ("error", error)
+    dist.broadcast_object_list(message, group_src=0, group=group)
+    status, payload = message[0]
+    if status == "error":
+        raise payload
+    if dist.get_rank(group) != 0:
+        osd = payload
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+    state = {}
+    for name, param_state in osd["state"].items():
+        state[name] = {}
+        for state_name, value in param_state.items():
+            if isinstance(value, _TensorPlaceholder):
+                value = torch.empty(value.shape, dtype=value.dtype, device=device)
+            elif torch.is_tensor(value) and value.dim() > 0:
+                value = value.to(device)
+            if torch.is_tensor(value) and value.dim() > 0:
+                dist.broadcast(value, group_src=0, group=group)
+            state[name][state_name] = value
+    return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
+            rank0_only: bool = False, group: Any = None, named_keys: bool = False) -> dict[str, Any]:
+    """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as a state dict that
+    ``optim.load_state_dict`` takes: this optimizer's keys, this model's shards, new memory."""
+    index = _param_index(model, optim, optim_input, named_keys=named_keys)
+    if rank0_only and dist.is_initialized():
+        osd = _broadcast_checked(osd, index, _model_group(model, group))
+    else:
+        _validate_for_load(osd, index)
+    state: dict[ParamKey, Any] = {}
+    for name, param_state in osd["state"].items():
+        param = index.param_of_fqn[name]
+        state[index.key_of[param]] = {state_name: _import_value(value, param)
+                                      for state_name, value in param_state.items()}
+    param_groups = []
+    for saved, current in zip(osd["param_groups"], index.groups):
+        group_out = copy.deepcopy({key: value for key, value in saved.items() if key != "params"})
+        group_out["params"] = sorted(index.key_of[param] for param in current)  # FSDP1 sorts them
+        param_groups.append(group_out)
+    return {"state": state, "param_groups": param_groups}
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API (bound as static methods of FullyShardedDataParallel)
+# ---------------------------------------------------------------------------------------------
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: OptimInput = None,
+                          rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
+    """The full (unsharded) optimizer state keyed by parameter names, on CPU (deprecated by FSDP1
+    in favour of :func:`optim_state_dict`). With ``rank0_only`` other ranks get ``{}``."""
+    _warn_legacy("full_optim_state_dict", "optim_state_dict")
+    _warn_optim_input(optim_input)
+    return _export(model, optim, optim.state_dict(), sharded=False, rank0_only=rank0_only,
+                   offload=True, group=group, optim_input=optim_input)
+
+
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                              group: Any = None) -> dict[str, Any]:
-    raise NotImplementedError
+    """This rank's shards of the optimizer state (DTensors on CPU) keyed by parameter names."""
+    _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+    return _export(model, optim, optim.state_dict(), sharded=True, rank0_only=False,
+                   offload=True, group=group)
+
+
+def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
+                                optim_input: OptimInput = None,
+                                optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """A full optimizer state dict (every rank holds it) cut to this rank's shards, keyed by
+    the optimizer's ids: ready for ``optim.load_state_dict``. No communication."""
+    _warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
+    _warn_optim_input(optim_input)
+    return _import(model, optim, full_optim_state_dict, optim_input=optim_input)
+
+
+def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
+                                     optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """A sharded optimizer state dict (DTensor or FSDP1 ShardedTensor values, any world size)
+    in this rank's shards, keyed by the optimizer's ids: ready for ``optim.load_state_dict``."""
+    _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+    return _import(model, optim, sharded_optim_state_dict)
+
+
+def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
+                                  optim_input: OptimInput = None,
+                                  optim: torch.optim.Optimizer | None = None,
+                                  group: Any = None) -> dict[str, Any]:
+    """Like :func:`shard_full_optim_state_dict`, with the full dict on rank 0 only (ignored
+    elsewhere): rank 0 validates it and sends each rank what it needs."""
+    _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+    _warn_optim_input(optim_input)
+    return _import(model, optim, full_optim_state_dict, optim_input=optim_input, rank0_only=True,
+                   group=group)
+
+
+def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
+                           model: nn.Module, optim_input: OptimInput = None,
+                           optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Re-key ``state`` and ``param_groups`` by parameter names or by the optimizer's ids.
+
+    Returns ``optim_state_dict`` itself when it already has the requested key type; ``params``
+    lists come out sorted, as FSDP1 writes them. The output of ``PARAM_ID`` loads into an
+    optimizer over the unwrapped model built the same way.
+    """
+    _warn_optim_input(optim_input)
+    if optim_state_key_type not in (OptimStateKeyType.PARAM_NAME, OptimStateKeyType.PARAM_ID):
+        raise AssertionError(f"Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
+                             f"{optim_state_key_type}; pass OptimStateKeyType.PARAM_NAME or PARAM_ID")
+    keys = list(optim_state_dict["state"])
+    by_name = [isinstance(key, str) for key in keys]
+    by_id = [isinstance(key, int) for key in keys]
+    if (any(by_name) and not all(by_name)) or (any(by_id) and not all(by_id)):
+        raise ValueError(f"Invalid parameter keys: {optim_state_dict['state'].keys()}; a state "
+                         "dict is keyed by parameter names only or by parameter ids only")
+    to_names = optim_state_key_type == OptimStateKeyType.PARAM_NAME
+    if (to_names and all(by_name)) or (not to_names and all(by_id)):
+        return optim_state_dict
+    index = _param_index(model, optim, optim_input)
+    if to_names:
+        mapping = {key: index.fqn_of[param] for key, param in index.param_of_key.items()}
+    else:
+        mapping = {index.fqn_of[param]: key for param, key in index.key_of.items()}
+    return _rekeyed(optim_state_dict, mapping)
+
+
+def _rekeyed(osd: Mapping[str, Any], mapping: dict[ParamKey, ParamKey]) -> dict[str, Any]:
+    """``osd`` with every parameter key translated by ``mapping`` (``KeyError`` if one is not)."""
+    used = list(osd["state"]) + [key for group in osd["param_groups"] for key in group["params"]]
+    unknown = sorted({str(key) for key in used if key not in mapping})
+    if unknown:
+        raise KeyError(f"Parameter keys {unknown[:10]} name no parameter of this model's optimizer; "
+                       "is the state dict from another model, or the optimizer built differently?")
+    param_groups = copy.deepcopy(osd["param_groups"])
+    for group in param_groups:
+        group["params"] = sorted(mapping[key] for key in group["params"])
+    return {"state": {mapping[key]: value for key, value in osd["state"].items()},
+            "param_groups": param_groups}
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                     optim_state_dict: dict[str, Any] | None = None,
+                     group: Any = None) -> dict[str, Any]:
+    """The optimizer state in the model's current state-dict type, keyed by parameter names.
+
+    FULL (``FullOptimStateDictConfig(offload_to_cpu, rank0_only)``): unsharded tensors, ``{}`` on
+    ranks other than 0 under ``rank0_only``. SHARDED (and LOCAL, as FSDP1): DTensor shards,
+    loadable with ``torch.distributed.checkpoint`` at any world size.
+    """
+    settings = _state_dict.get_state_dict_type(model)
+    config = settings.optim_state_dict_config
+    source = optim.state_dict() if optim_state_dict is None else optim_state_dict
+    full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
+    return _export(model, optim, source, sharded=not full,
+                   rank0_only=full and getattr(config, "rank0_only", False),
+                   offload=getattr(config, "offload_to_cpu", True), group=group)
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
+                             optim_state_dict: dict[str, Any], is_named_optimizer: bool = False,
+                             load_directly: bool = False, group: Any = None) -> dict[str, Any]:
+    """``optim_state_dict`` (from :func:`optim_state_dict`, ours or FSDP1's) as what
+    ``optim.load_state_dict`` takes; loads it too with ``load_directly``.
+
+    Under FULL with ``rank0_only``, only rank 0's input is read. The input is validated whole
+    before anything is converted, so on error the optimizer is untouched.
+    """
+    settings = _state_dict.get_state_dict_type(model)
+    full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
+    rank0_only = full and getattr(settings.optim_state_dict_config, "rank0_only", False)
+    result = _import(model, optim, optim_state_dict, rank0_only=rank0_only, group=group,
+                     named_keys=is_named_optimizer)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result

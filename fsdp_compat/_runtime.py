@@ -1,16 +1,34 @@
-"""Runtime controls around training steps: no_sync, clip_grad_norm_, summon_full_params, comm hooks."""
+"""Runtime controls around training steps: ``no_sync``, ``clip_grad_norm_``, ``summon_full_params``,
+comm hooks, ``apply``, forward prefetch and recovery after a step that raised.
+
+Between steps the engine keeps each parameter as a sharded ``DTensor`` (``Shard(0)`` over the shard
+group, ``Replicate`` along the replicate dimension for hybrid strategies, ``Replicate`` alone for
+``NO_SHARD``). ``summon_full_params`` gathers those in their own precision rather than through the
+engine's unshard, which all-gathers in the mixed-precision ``param_dtype``: FSDP1 shows full
+precision inside, and the gathered copy is independent of the engine's buffers.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+import functools
+import math
+import warnings
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import _engine
-from ._common import TrainingState
+from ._full_tensors import gather_full_tensors
+from ._common import TrainingState, warn_once
+from ._mesh import HYBRID_STRATEGIES
+from .api import ShardingStrategy
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
@@ -22,52 +40,350 @@ def init_runtime_state(wrapper: FullyShardedDataParallel) -> None:
     wrapper._comm_hook_state = None
 
 
+def _wrappers(module: nn.Module) -> list[FullyShardedDataParallel]:
+    """Every wrapper in ``module`` (itself included), pre-order."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel  # that module imports this one
+
+    return FullyShardedDataParallel.fsdp_modules(module)
+
+
+# ---------------------------------------------------------------------------------------------
+# Root forward: checks, recovery, prefetch
+# ---------------------------------------------------------------------------------------------
+
+
 def check_idle_for_forward(wrapper: FullyShardedDataParallel) -> None:
-    """FSDP1 forbids forward inside ``summon_full_params``."""
-    if wrapper.training_state == TrainingState.SUMMON_FULL_PARAMS:
-        raise AssertionError("Cannot run forward inside summon_full_params; exit the context first")
+    """Refuse a forward inside ``summon_full_params``. FSDP1 runs it, but reshards the parameters
+    under the open context and trains wrongly afterwards; a clear error is better."""
+    if any(unit.training_state == TrainingState.SUMMON_FULL_PARAMS for unit in _wrappers(wrapper)):
+        raise AssertionError("Cannot run forward inside summon_full_params(); exit the context first "
+                             "(inside it the parameters are full copies, for reading or editing)")
+
+
+def recover_interrupted_iteration(wrapper: FullyShardedDataParallel) -> None:
+    """At a root forward: if the previous forward or backward raised midway, reset the engine so
+    this step runs normally. That step's unreduced gradients (and any ``no_sync`` accumulation)
+    are dropped; gradients it had already reduced stay until ``zero_grad()``. (FSDP1 cannot
+    continue after such a step: its state stays mid-iteration.)"""
+    if _engine.recover_interrupted_iteration(wrapper.module):
+        warn_once("recovered_iteration", "A previous forward or backward raised midway; "
+                  "fsdp_compat reset the FSDP engine and dropped that step's unreduced gradients. "
+                  "Call optimizer.zero_grad() after such a step if it may have reduced some.")
 
 
 def configure_forward_prefetch(forward_order: list[FullyShardedDataParallel]) -> None:
     """``forward_prefetch=True``: each unit all-gathers the next unit (in the first iteration's
     forward order) as it starts its own forward, as FSDP1 does."""
-    for current, following in zip(forward_order, forward_order[1:]):
+    units = [unit for unit in forward_order if _engine.engine_state(unit.module) is not None]
+    for current, following in zip(units, units[1:]):
         if current.forward_prefetch:
             current.module.set_modules_to_forward_prefetch([following.module])
 
 
+# ---------------------------------------------------------------------------------------------
+# no_sync
+# ---------------------------------------------------------------------------------------------
+
+
 @contextlib.contextmanager
 def no_sync(wrapper: FullyShardedDataParallel) -> Generator[None, None, None]:
-    """Skip gradient reduction inside the context; the next synced backward reduces the total."""
+    """Skip gradient reduction inside the context; the next synced backward reduces the total.
+
+    Every unit (sharded, hybrid and replicated alike) keeps its unreduced gradient locally; the
+    flags are restored on exit, so nested use keeps syncing off until the outermost exit.
+    """
     if not wrapper._is_root:
         raise RuntimeError("`no_sync()` on inner FSDP instances is not supported. Please call "
                            "`no_sync()` on root FSDP module.")
-    units = [unit.module for unit in wrapper.fsdp_modules(wrapper)]
-    previous = [group.reduce_grads for unit in units for group in _engine.param_groups(unit)]
-    for unit in units:
-        unit.set_requires_gradient_sync(False, recurse=False)
+    units = [unit.module for unit in _wrappers(wrapper)]
+    saved = [_engine.gradient_sync_flags(unit) for unit in units]
+    for unit, flags in zip(units, saved):
+        _engine.set_gradient_sync_flags(unit, [(False, False)] * len(flags))
     try:
         yield
     finally:
-        groups = [group for unit in units for group in _engine.param_groups(unit)]
-        for group, reduce in zip(groups, previous):
-            group.reduce_grads = reduce
+        for unit, flags in zip(units, saved):
+            _engine.set_gradient_sync_flags(unit, flags)
 
 
-def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
-                       rank0_only: bool = False, offload_to_cpu: bool = False,
-                       with_grads: bool = False) -> contextlib.AbstractContextManager[None]:
-    raise NotImplementedError
+# ---------------------------------------------------------------------------------------------
+# clip_grad_norm_
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_float(value: Any, name: str, expected: str) -> float:
+    """``float(value)`` with FSDP1's exception type (``ValueError``/``TypeError``) and a clear message."""
+    try:
+        return float(value)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name} must be {expected}, got {value!r}") from error
+
+
+def _check_clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    max_norm = _as_float(max_norm, "max_norm", "a non-negative number")
+    norm_type = _as_float(norm_type, "norm_type", "a positive number or 'inf'")
+    if not max_norm >= 0:  # also catches NaN
+        raise ValueError(f"max_norm must be a non-negative number, got {max_norm}: a negative bound "
+                         "would flip the gradients' sign")
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
+    return max_norm, norm_type
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) gradient; an alias, so in-place ops reach it."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class _GradGroup:
+    """Gradients whose shards are spread over the same mesh dimensions (empty: replicated)."""
+
+    mesh: DeviceMesh | None
+    shard_dims: tuple[int, ...]
+    grads: list[torch.Tensor]
+
+
+def _group_grads_by_sharding(grads: Iterable[torch.Tensor]) -> list[_GradGroup]:
+    """Sharded gradients grouped by the mesh dims they are sharded over, then one group for the
+    rest (``NO_SHARD``, ignored and unmanaged parameters): those are counted once, locally."""
+    groups: dict[tuple[int, tuple[int, ...]], _GradGroup] = {}
+    replicated = _GradGroup(None, (), [])
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+            if dims:
+                key = (id(grad.device_mesh), dims)
+                groups.setdefault(key, _GradGroup(grad.device_mesh, dims, [])).grads.append(grad)
+                continue
+        replicated.grads.append(grad)
+    return [*groups.values(), replicated]
+
+
+def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The FP32 ``norm_type``-norm of this rank's parts of ``grads``, viewed as one vector."""
+    parts = [_local(grad).detach() for grad in grads]
+    parts = [part for part in parts if part.numel() > 0]  # an empty shard adds nothing
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = [torch.linalg.vector_norm(part, norm_type, dtype=torch.float32).to(device) for part in parts]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _total_norm(groups: list[_GradGroup], norm_type: float, device: torch.device) -> torch.Tensor:
+    """Combine the groups' local norms into the norm over all gradients of all ranks.
+
+    Each sharded group is reduced over its shard dimensions only, so a hybrid replica's copy is
+    not counted twice; the replicated group is added once, unreduced, as in FSDP1.
+    """
+    infinite = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups:
+        local = _local_norm(group.grads, norm_type, device)
+        if not infinite:
+            local = local ** norm_type
+        for dim in group.shard_dims:
+            dist.all_reduce(local, op=op, group=group.mesh.get_group(dim))
+        total = torch.maximum(total, local) if infinite else total + local
+    return total if infinite else total ** (1.0 / norm_type)
 
 
 def clip_grad_norm_(wrapper: FullyShardedDataParallel, max_norm: float | int,
                     norm_type: float | int = 2.0) -> torch.Tensor:
-    raise NotImplementedError
+    """Clip all gradients in place by their total norm over every rank; return that norm.
+
+    FSDP1's coefficient ``min(max_norm / (total + 1e-6), 1)`` and return dtype (gradients'
+    promoted dtype; FP32, with a warning, on a rank without gradients).
+    """
+    if not wrapper._is_root:
+        raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
+    max_norm, norm_type = _check_clip_args(max_norm, norm_type)
+    grads = [param.grad for param in wrapper.parameters() if param.grad is not None]
+    total = _total_norm(_group_grads_by_sharding(grads), norm_type, wrapper.compute_device)
+    if wrapper.cpu_offload.offload_params:
+        total = total.cpu()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        _local(grad).mul_(coefficient.to(grad.device, grad.dtype))
+    if not grads:
+        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {wrapper.rank} with no gradients -- "
+                      f"returning the total norm in the default dtype {total.dtype}", stacklevel=3)
+        return total
+    return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
+
+
+# ---------------------------------------------------------------------------------------------
+# summon_full_params and apply
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _SummonedParam:
+    """One managed parameter while its unit is summoned."""
+
+    sharded: nn.Parameter                 # the engine's sharded DTensor parameter: the truth
+    slots: list[_engine.ParamSlot]        # where it is registered (several for a tied weight)
+    registered: nn.Parameter              # what the slots held before (restored on exit)
+    full: nn.Parameter | None = None      # what they hold inside; None where this rank keeps shards
+
+
+def _registered(slot: _engine.ParamSlot) -> Any:
+    module, name = slot
+    return getattr(module, name)
+
+
+def _register(slots: list[_engine.ParamSlot], param: nn.Parameter) -> None:
+    for module, name in slots:
+        _engine.register_param(module, name, param)
+
+
+@torch.no_grad()
+def _write_to_shard(full: torch.Tensor, sharded: DTensor) -> None:
+    """Copy this rank's chunk of ``full`` into ``sharded``'s local tensor (no communication:
+    every rank holds the same full values and takes its own chunk, as the engine chunked it)."""
+    chunk = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None)
+    sharded.to_local().copy_(chunk.to_local())
+
+
+def _validate_summon_args(wrappers: list[FullyShardedDataParallel], writeback: bool, rank0_only: bool,
+                          offload_to_cpu: bool, with_grads: bool) -> None:
+    """FSDP1's rejected combinations, with its exception types and order."""
+    if with_grads and offload_to_cpu:
+        raise NotImplementedError("with_grads=True together with offload_to_cpu=True is not "
+                                  "supported (as in FSDP1); pass offload_to_cpu=False to see gradients")
+    if offload_to_cpu and any(w.sharding_strategy == ShardingStrategy.NO_SHARD for w in wrappers):
+        raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported (as in FSDP1); "
+                                  "NO_SHARD parameters are already full: pass offload_to_cpu=False")
+    if writeback and rank0_only:
+        raise NotImplementedError("writeback=True and rank0_only=True is not supported (as in FSDP1): "
+                                  "only rank 0 would hold the edits. Pass writeback=False to read on "
+                                  "rank 0, or rank0_only=False to edit")
+    if offload_to_cpu and not rank0_only:  # FSDP1 warns on every such call too
+        warnings.warn("offload_to_cpu=True and rank0_only=False copy the full parameters to CPU "
+                      "memory on every rank, which risks CPU OOM where ranks share a host; "
+                      "offload_to_cpu=True is meant for rank0_only=True.", stacklevel=4)
+
+
+def _check_can_summon(wrapper: FullyShardedDataParallel) -> None:
+    if wrapper.training_state == TrainingState.SUMMON_FULL_PARAMS:
+        raise AssertionError("Cannot manually unshard parameters when already unsharding parameters "
+                             "(this module is inside an open summon_full_params(); use recurse=False "
+                             "on the outer call to summon inner modules separately)")
+    if _engine.iteration_in_progress(wrapper.module):
+        raise AssertionError("Cannot manually unshard parameters during forward/backward; call "
+                             "summon_full_params() before the forward or after the backward")
+
+
+def _summon_unit(wrapper: FullyShardedDataParallel, keep_shards: bool, offload_to_cpu: bool,
+                 with_grads: bool, summoned: list[_SummonedParam]) -> None:
+    """Gather the unit's parameters (every rank takes part) and register the full ones, recording
+    each in ``summoned`` as soon as it is registered, so that a failure midway still restores it."""
+    entries = []
+    for engine_sharded, slots in _engine.unit_param_slots(wrapper.module):
+        registered = _registered(slots[0])
+        # Normally the same object; the registered one wins if the user swapped in a new DTensor.
+        sharded = registered if isinstance(registered, DTensor) else engine_sharded
+        entries.append((sharded, slots, registered))
+    # One all-gather for the whole unit (per dtype), not one per parameter.
+    values = gather_full_tensors([sharded for sharded, _, _ in entries], wrapper.compute_device)
+    grads: dict[int, torch.Tensor] = {}
+    if with_grads:
+        with_grad = [i for i, (sharded, _, _) in enumerate(entries) if sharded.grad is not None]
+        gathered = gather_full_tensors([entries[i][0].grad for i in with_grad], wrapper.compute_device)
+        grads = dict(zip(with_grad, gathered))
+    for index, ((sharded, slots, registered), value) in enumerate(zip(entries, values)):
+        item = _SummonedParam(sharded, slots, registered)
+        summoned.append(item)
+        if keep_shards:
+            continue
+        value = value.cpu() if offload_to_cpu else value.to(wrapper.compute_device)
+        item.full = nn.Parameter(value, requires_grad=sharded.requires_grad)
+        item.full.grad = grads.get(index)
+        _register(slots, item.full)
+
+
+def _unsummon(item: _SummonedParam, writeback: bool, with_grads: bool) -> None:
+    """Write the (possibly edited or replaced) full parameter back, then restore the shards."""
+    if writeback and item.full is not None:
+        current = _registered(item.slots[0])  # ``fn`` in ``apply`` may have assigned a new one
+        if _is_full_value_of(current, item.sharded):
+            _write_to_shard(current, item.sharded)
+            if with_grads and current.grad is not None and item.sharded.grad is not None:
+                _write_to_shard(current.grad, item.sharded.grad)
+    _register(item.slots, item.registered)
+
+
+def _is_full_value_of(candidate: Any, sharded: DTensor) -> bool:
+    """Whether ``candidate`` is a plain tensor of ``sharded``'s full shape (what can be written back)."""
+    return (isinstance(candidate, torch.Tensor) and not isinstance(candidate, DTensor)
+            and candidate.shape == sharded.shape)
+
+
+@contextlib.contextmanager
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
+                       rank0_only: bool = False, offload_to_cpu: bool = False,
+                       with_grads: bool = False) -> Generator[None, None, None]:
+    """Full parameters on the original modules inside the context, as FSDP1's static method.
+
+    ``recurse=False`` summons only ``module``'s own unit (nothing when ``module`` is not a
+    wrapper). With ``rank0_only``, ranks other than 0 keep their shards. Inside, the affected
+    wrappers are in ``SUMMON_FULL_PARAMS`` (clean ``named_parameters()`` names, no forward).
+    """
+    wrappers = _wrappers(module) if recurse else [w for w in _wrappers(module) if w is module]
+    _validate_summon_args(wrappers, writeback, rank0_only, offload_to_cpu, with_grads)
+    for wrapper in wrappers:
+        _check_can_summon(wrapper)
+    summoned: list[_SummonedParam] = []
+    try:
+        for wrapper in wrappers:
+            wrapper.training_state = TrainingState.SUMMON_FULL_PARAMS
+            keep_shards = rank0_only and wrapper.rank != 0
+            _summon_unit(wrapper, keep_shards, offload_to_cpu, with_grads, summoned)
+        yield
+    finally:
+        for item in summoned:
+            _unsummon(item, writeback, with_grads)
+        for wrapper in wrappers:
+            wrapper.training_state = TrainingState.IDLE
+
+
+def apply_with_full_params(wrapper: FullyShardedDataParallel,
+                           fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+    """``nn.Module.apply`` with this unit's parameters full and edits written back, as FSDP1.
+
+    Nested wrappers are reached through ``nn.Module.apply``'s recursion, each summoning itself.
+    """
+    with summon_full_params(wrapper, recurse=False, writeback=True):
+        nn.Module.apply(wrapper, fn)
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication hooks
+# ---------------------------------------------------------------------------------------------
 
 
 def register_comm_hook(wrapper: FullyShardedDataParallel, state: object, hook: Callable[..., Any]) -> None:
-    raise NotImplementedError
+    """FSDP1's ``register_comm_hook``: ``hook`` replaces the gradient communication of every unit.
 
-
-def apply_with_full_params(wrapper: FullyShardedDataParallel, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
-    raise NotImplementedError
+    Sharded units call ``hook(state, grad, output)`` (``grad``: the unit's flat, padded local
+    gradient; ``output``: this rank's reduced chunk), ``NO_SHARD`` units ``hook(state, grad)``
+    (all-reduce in place), once per unit per synced backward. The hook does its own averaging,
+    as torch's default hooks do. Everything is checked before anything is registered.
+    """
+    if not wrapper._is_root:
+        raise AssertionError("register_comm_hook can only be called on a root instance.")
+    units = _wrappers(wrapper)
+    for unit in units:
+        if unit.sharding_strategy in HYBRID_STRATEGIES:
+            raise AssertionError(f"Communication hook is not supported for hybrid strategies: "
+                                 f"{unit.sharding_strategy}")
+        if unit._comm_hook is not None:
+            raise AssertionError("A communication hook is already registered")
+    if not callable(hook):
+        raise ValueError(f"The communication hook must be callable but got {hook}")
+    for unit in units:
+        unit._comm_hook = hook
+        unit._comm_hook_state = state
+        _engine.install_comm_hook(unit.module, hook, state)

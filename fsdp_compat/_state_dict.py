@@ -1,11 +1,49 @@
-"""Model state dicts: FSDP1's three types (FULL / LOCAL / SHARDED) on engine-sharded parameters."""
+"""Model state dicts: FSDP1's three types (FULL / LOCAL / SHARDED) on engine-sharded parameters.
+
+Keys are FSDP1's: clean FQNs (no ``_fsdp_wrapped_module.``), in ``nn.Module.state_dict()`` order of
+the unwrapped model, buffers and ignored modules' states included, a tied weight under each name.
+Values are always copies, never views of engine or module memory, so that filling a returned dict
+(``torch.distributed.checkpoint.load``) cannot half-change the model.
+
+* FULL: plain full tensors (each unit gathered in one collective, in full precision).
+  ``rank0_only``: other ranks get only ignored modules' parameters (as FSDP1).
+* SHARDED: engine-sharded parameters as ``DTensor`` (what ``torch.distributed.checkpoint``
+  reshards across world sizes), buffers as plain tensors. FSDP1 gives ``ShardedTensor`` unless it
+  was built with a device mesh; both load here.
+* LOCAL: each parameter's own piece on this rank as a plain tensor (dim-0 ``torch.chunk`` piece
+  of the parameter, possibly empty), buffers as plain tensors. Round-trips at the same world size.
+* ``NO_SHARD`` units give full tensors for every type, as FSDP1.
+
+Saving (here) takes the entries ``nn.Module.state_dict`` lists for the wrapped tree
+(``_state_dict_entries``) and replaces each engine parameter by its form for the type. Loading
+(``_state_dict_load``) checks everything on every rank, agrees across ranks, converts, and only
+then lets ``nn.Module`` copy: a failed load leaves every parameter and buffer on every rank as it was.
+"""
 
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from . import _mixed_precision
+from ._full_tensors import gather_full_tensors
+from ._state_dict_entries import (
+    _check_not_in_iteration,
+    _clean_module_path,
+    _collecting,
+    _effective_settings,
+    _Entry,
+    _entries,
+    _entry_settings,
+    _wrappers,
+)
+from ._state_dict_load import load_state_dict, register_load_hooks
+from ._tensor_layout import shard_like
 from .api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -24,6 +62,14 @@ from .api import (
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
+__all__ = [
+    "get_state_dict_type",
+    "init_state_dict_settings",
+    "load_state_dict",
+    "set_state_dict_type",
+    "state_dict",
+]
+
 _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
@@ -31,17 +77,18 @@ _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
 }
 
 
+# =============================================================================================
+# Settings: state_dict_type / set_state_dict_type / get_state_dict_type
+# =============================================================================================
+
+
 def init_state_dict_settings(wrapper: FullyShardedDataParallel) -> None:
-    """FSDP1's defaults: FULL state dicts, ``FullStateDictConfig()``, ``FullOptimStateDictConfig()``."""
+    """FSDP1's defaults (FULL state dicts, ``FullStateDictConfig()``, ``FullOptimStateDictConfig()``),
+    and the hooks that let a plain module holding the wrapper load it (``DDP(FSDP(model))``)."""
     wrapper._state_dict_type = StateDictType.FULL_STATE_DICT
     wrapper._state_dict_config = FullStateDictConfig()
     wrapper._optim_state_dict_config = FullOptimStateDictConfig()
-
-
-def _wrappers(module: nn.Module) -> list[FullyShardedDataParallel]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return FullyShardedDataParallel.fsdp_modules(module)
+    register_load_hooks(wrapper)
 
 
 def set_state_dict_type(
@@ -50,22 +97,20 @@ def set_state_dict_type(
     state_dict_config: Any = None,
     optim_state_dict_config: Any = None,
 ) -> StateDictSettings:
-    """Set the type and configs on every wrapper in ``module``; return the previous settings."""
+    """Set the type and configs on every wrapper in ``module``; return the previous settings.
+
+    As FSDP1: a config of the wrong class raises ``RuntimeError``; a module without wrappers is
+    left alone and ``StateDictSettings(None, None, None)`` returned (which, passed back, is a no-op).
+    """
+    wrappers = _wrappers(module)
+    if state_dict_type is None and not wrappers:
+        return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     state_dict_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
     config_class, optim_config_class = _CONFIG_CLASSES[state_dict_type]
-    if state_dict_config is None:
-        state_dict_config = config_class()
-    else:
-        state_dict_config = _coerce_exact(state_dict_config, StateDictConfig, config_class)
-    if optim_state_dict_config is None:
-        optim_state_dict_config = optim_config_class()
-    else:
-        optim_state_dict_config = _coerce_exact(optim_state_dict_config, OptimStateDictConfig,
-                                                optim_config_class)
-    wrappers = _wrappers(module)
-    if not wrappers:
-        raise ValueError("set_state_dict_type found no FullyShardedDataParallel instance in module")
-    previous = get_state_dict_type(module)
+    state_dict_config = _exact_config(state_dict_config, StateDictConfig, config_class, "state_dict_config")
+    optim_state_dict_config = _exact_config(optim_state_dict_config, OptimStateDictConfig,
+                                            optim_config_class, "optim_state_dict_config")
+    previous = _previous_settings(wrappers)
     for wrapper in wrappers:
         wrapper._state_dict_type = state_dict_type
         wrapper._state_dict_config = state_dict_config
@@ -73,20 +118,40 @@ def set_state_dict_type(
     return previous
 
 
-def _coerce_exact(config: Any, base: type, expected: type) -> Any:
-    """FSDP1 raises ``RuntimeError`` when the config class does not belong to the type."""
+def _exact_config(config: Any, base: type, expected: type, argument: str) -> Any:
+    """``config`` as ours (torch's accepted); ``expected()`` when ``None``; FSDP1 raises
+    ``RuntimeError`` when the class does not belong to the type."""
+    if config is None:
+        return expected()
     try:
-        coerced = coerce_config(config, base, "config")
+        coerced = coerce_config(config, base, argument)
     except TypeError as error:
         raise RuntimeError(str(error)) from None
     if type(coerced) is not expected:
-        raise RuntimeError(f"Expected state_dict_config of type {expected.__name__} but got "
-                           f"{type(config).__name__}; pass a {expected.__name__} for this type")
+        raise RuntimeError(f"Expected {argument} of type {expected.__name__} but got "
+                           f"{type(config).__name__}; pass a {expected.__name__} for this state_dict_type")
     return coerced
 
 
+def _previous_settings(wrappers: list[FullyShardedDataParallel]) -> StateDictSettings:
+    """The first wrapper's settings; FSDP1 checks the others agree in type and config classes."""
+    if not wrappers:
+        return StateDictSettings(None, None, None)  # type: ignore[arg-type]
+    first = wrappers[0]
+    for other in wrappers[1:]:
+        if other._state_dict_type != first._state_dict_type:
+            raise AssertionError("All FSDP modules should have the same state_dict_type.")
+        if not isinstance(other._state_dict_config, type(first._state_dict_config)):
+            raise AssertionError("All FSDP modules must have the same type of state_dict_config.")
+        if not isinstance(other._optim_state_dict_config, type(first._optim_state_dict_config)):
+            raise AssertionError("All FSDP modules must have the same type of optim_state_dict_config.")
+    return StateDictSettings(first._state_dict_type, first._state_dict_config,
+                             first._optim_state_dict_config)
+
+
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-    """The settings shared by every wrapper in ``module``; ``AssertionError`` if they differ."""
+    """The settings shared by every wrapper in ``module`` (``None`` without wrappers, as FSDP1);
+    ``AssertionError`` if they differ."""
     settings: StateDictSettings | None = None
     for wrapper in _wrappers(module):
         current = StateDictSettings(wrapper._state_dict_type, wrapper._state_dict_config,
@@ -94,20 +159,122 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
         if settings is None:
             settings = current
         elif settings != current:
-            raise AssertionError(f"All FSDP modules must have the same state dict settings; got "
-                                 f"{settings} and {current}")
-    if settings is None:
-        raise ValueError("get_state_dict_type found no FullyShardedDataParallel instance in module")
-    return settings
+            raise AssertionError(f"All FSDP modules must have the same state dict settings. "
+                                 f"Got {current} and {settings}.")
+    return settings  # type: ignore[return-value]
+
+
+# =============================================================================================
+# Saving
+# =============================================================================================
 
 
 def state_dict(wrapper: FullyShardedDataParallel, *args: Any, destination: Any = None,
                prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-    """The state dict of ``wrapper`` in its current type (implemented with the state-dict issue)."""
-    raise NotImplementedError("state_dict is being implemented")
+    """The state dict of ``wrapper`` in its state-dict type (see the module docstring)."""
+    if _collecting.get():
+        return nn.Module.state_dict(wrapper, *args, destination=destination, prefix=prefix,
+                                    keep_vars=keep_vars)
+    destination, prefix, keep_vars = _positional_state_dict_args(args, destination, prefix, keep_vars)
+    _check_not_in_iteration(wrapper, "state_dict()")
+    requested, config = _effective_settings(wrapper)
+    entries, metadata = _entries(wrapper)
+    plans = [(entry, *_entry_settings(entry, requested, config)) for entry in entries]
+    full = _gather_full_parameters(plans, wrapper.rank)
+    restore_dtypes = _mixed_precision.original_buffer_dtypes(wrapper)
+
+    result = destination if destination is not None else OrderedDict()
+    if destination is None:
+        result._metadata = OrderedDict()  # type: ignore[attr-defined]
+    if hasattr(result, "_metadata"):
+        # The wrapped module's version follows (and wins over) its wrapper's, as both map to one path.
+        for path, module_metadata in metadata.items():
+            result._metadata[_prefixed(prefix, _clean_module_path(path))] = module_metadata
+    for entry, entry_type, entry_config in plans:
+        if _only_rank0_keeps(entry_config, wrapper.rank) and not entry.is_plain_param:
+            continue  # FSDP1: under rank0_only, other ranks keep only ignored parameters
+        value = _entry_value(entry, entry_type, full, restore_dtypes, keep_vars)
+        if value is None:
+            continue
+        if entry_config.offload_to_cpu and isinstance(value, torch.Tensor):
+            value = value.cpu()
+        result[prefix + entry.key] = value
+    return result
 
 
-def load_state_dict(wrapper: FullyShardedDataParallel, state_dict: Any, strict: bool = True,
-                    assign: bool = False) -> Any:
-    """Load ``state_dict`` into ``wrapper`` atomically (implemented with the state-dict issue)."""
-    raise NotImplementedError("load_state_dict is being implemented")
+def _prefixed(prefix: str, path: str) -> str:
+    return (prefix + path) if path else prefix[:-1]
+
+
+def _positional_state_dict_args(args: tuple[Any, ...], destination: Any, prefix: str,
+                                keep_vars: bool) -> tuple[Any, str, bool]:
+    """``nn.Module.state_dict``'s deprecated positional form ``(destination, prefix, keep_vars)``."""
+    if len(args) > 3:
+        raise TypeError(f"state_dict() takes at most 3 positional arguments, got {len(args)}")
+    if args:
+        warnings.warn("Positional args are being deprecated, use kwargs instead. Refer to "
+                      "https://pytorch.org/docs/main/generated/torch.nn.Module.html"
+                      "#torch.nn.Module.state_dict for details.", FutureWarning, stacklevel=3)
+    names = (destination, prefix, keep_vars)
+    destination, prefix, keep_vars = (*args, *names[len(args):])
+    return destination, prefix, keep_vars
+
+
+def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:
+    return getattr(config, "rank0_only", False) and rank != 0
+
+
+def _gather_full_parameters(plans: list[tuple[_Entry, StateDictType, StateDictConfig]],
+                            rank: int) -> dict[int, torch.Tensor]:
+    """id(sharded parameter) -> full copy for FULL entries, one collective per unit.
+
+    Each unit's result is offloaded (``offload_to_cpu``) or dropped (other ranks under
+    ``rank0_only``) before the next unit is gathered, so at most one unit's full parameters sit
+    on the device at a time. Summoned units are skipped: their full values are already on the
+    modules (and under ``rank0_only`` only some ranks have them, so a collective could not match).
+    """
+    by_unit: dict[int, tuple[FullyShardedDataParallel, StateDictConfig, dict[int, DTensor]]] = {}
+    for entry, entry_type, config in plans:
+        if entry_type != StateDictType.FULL_STATE_DICT or entry.sharded is None or entry.summoned:
+            continue
+        _, _, tensors = by_unit.setdefault(id(entry.unit), (entry.unit, config, {}))
+        tensors.setdefault(id(entry.sharded), entry.sharded)
+    full: dict[int, torch.Tensor] = {}
+    for unit, config, tensors in by_unit.values():
+        gathered = gather_full_tensors(list(tensors.values()), unit.compute_device)
+        if _only_rank0_keeps(config, rank):
+            continue
+        if config.offload_to_cpu:
+            gathered = [tensor.cpu() for tensor in gathered]
+        full.update(zip(tensors.keys(), gathered))
+    return full
+
+
+@torch.no_grad()
+def _entry_value(entry: _Entry, state_dict_type: StateDictType, full: dict[int, torch.Tensor],
+                 restore_dtypes: dict[str, torch.dtype], keep_vars: bool) -> Any:
+    """The entry's value for the type; ``None`` to leave it out (summoned shards, see FULL)."""
+    if entry.sharded is not None:
+        return _parameter_value(entry, state_dict_type, full)
+    if not isinstance(entry.value, torch.Tensor):
+        return entry.value  # extra state
+    if entry.is_buffer and state_dict_type != StateDictType.LOCAL_STATE_DICT and entry.key in restore_dtypes:
+        # Mixed precision: the live buffer is in buffer_dtype; the state dict has the original.
+        return entry.value.detach().to(restore_dtypes[entry.key], copy=True)
+    return entry.value if keep_vars else entry.value.detach().clone()
+
+
+def _parameter_value(entry: _Entry, state_dict_type: StateDictType, full: dict[int, torch.Tensor]) -> Any:
+    sharded = entry.sharded
+    assert sharded is not None
+    if state_dict_type == StateDictType.FULL_STATE_DICT:
+        if not entry.summoned:
+            return full[id(sharded)]
+        # Inside summon_full_params: the full values the user sees. Ranks that kept their shards
+        # (rank0_only) have no full value to give.
+        return entry.value.detach().clone() if entry.full_visible else None
+    if entry.full_visible:
+        sharded = shard_like(entry.value, sharded)
+    if state_dict_type == StateDictType.SHARDED_STATE_DICT:
+        return sharded.detach().clone()
+    return sharded.to_local().detach().clone()

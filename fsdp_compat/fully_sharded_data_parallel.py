@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _engine, _mixed_precision, _optim_state, _runtime, _state_dict
+from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _runtime, _state_dict
 from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, warn_once
 from ._init_utils import (
     broadcast_from_rank0,
@@ -138,8 +138,8 @@ class FullyShardedDataParallel(nn.Module):
                 limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
                 device_mesh=self._device_mesh, param_init_fn=param_init_fn,
             )
-            individually_wrapped = (tuple(self.mixed_precision._module_classes_to_ignore)
-                                    if self.mixed_precision is not None else ())
+            individually_wrapped = _mixed_precision.prepare_individually_wrapped(
+                module, self.mixed_precision)
             targets = plan_wrapping(module, auto_wrap_policy, self._ignored_modules,
                                     self._ignored_params, child_kwargs, individually_wrapped)
             apply_wrapping(module, targets, self._wrap_child)
@@ -203,8 +203,9 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The wrapped module (FSDP1's ``module`` property)."""
-        return self._fsdp_wrapped_module
+        """The wrapped module; as in FSDP1, the innermost one when activation checkpointing was
+        applied after wrapping (that module is also the engine unit)."""
+        return _engine.engine_module(self._fsdp_wrapped_module)
 
     def __getattr__(self, name: str) -> Any:
         """Forward missing attributes to the wrapped module."""
@@ -230,6 +231,12 @@ class FullyShardedDataParallel(nn.Module):
         clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
         for name, buffer in super().named_buffers(*args, **kwargs):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
+
+    # FSDP1's private flat-parameter names, which third-party code (accelerate) reads: views of
+    # this unit's own sharded parameters, honouring the dtype upcast clients write (``_flat_param_view``).
+    _has_params = property(_flat_param_view.has_params)
+    _flat_param = property(_flat_param_view.flat_param)
+    _handle = property(_flat_param_view.handle)
 
     def check_is_root(self) -> bool:
         """Whether this instance is a root (no enclosing ``FullyShardedDataParallel``)."""
@@ -259,6 +266,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _root_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         _runtime.check_idle_for_forward(self)
+        _runtime.recover_interrupted_iteration(self)
         if self._forward_order is None:
             # First iteration: record the units' forward order for ``forward_prefetch``.
             self._forward_order = []
@@ -266,7 +274,7 @@ class FullyShardedDataParallel(nn.Module):
                 unit._order_recorder = self._forward_order
         elif any(unit.forward_prefetch for unit in self.fsdp_modules(self)):
             _runtime.configure_forward_prefetch(self._forward_order)
-        return _mixed_precision.cast_root_forward_inputs(self, args, kwargs)
+        return _mixed_precision.root_pre_forward(self, args, kwargs)
 
     def _record_forward_order(self) -> None:
         recorder = self.__dict__.pop("_order_recorder", None)

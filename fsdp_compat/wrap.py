@@ -223,6 +223,11 @@ def plan_wrapping(
     if isinstance(policy, _Policy):
         targets = policy._run_policy(root_module, ignored_modules, dict(root_kwargs, auto_wrap_policy=None))
     else:
+        if individually_wrapped_classes:
+            # As FSDP1: OR the policy with one that wraps those classes, so that the traversal
+            # reaches them and counts their parameters as wrapped when sizing their parents.
+            policy = functools.partial(_or_policy, policies=[policy, functools.partial(
+                _wrap_module_classes_individually, module_classes=individually_wrapped_classes)])
         targets = {}
         _plan_recursive(root_module, policy, ignored_modules, ignored_params, root_kwargs, targets,
                         is_root=True)

@@ -36,7 +36,8 @@ except ImportError:  # pragma: no cover - depends on the torch version
     torch_fsdp = None
     torch_wrap = None
 
-HAVE_FSDP1 = TorchFSDP is not None
+# ``FSDP_COMPAT_WITHOUT_FSDP1=1`` runs the tests as if torch no longer shipped FSDP1 (golden files).
+HAVE_FSDP1 = TorchFSDP is not None and os.environ.get("FSDP_COMPAT_WITHOUT_FSDP1") != "1"
 
 
 def device() -> torch.device:
@@ -122,6 +123,28 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         result[clean_name(name)] = value.detach().cpu().clone()
     return result
 
+
+def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Clean FQN -> full gradient (gathered; FSDP1 needs ``use_orig_params=True``); no-grad params left out."""
+    if HAVE_FSDP1 and isinstance(model, TorchFSDP):
+        with TorchFSDP.summon_full_params(model, with_grads=True, writeback=False):
+            return {clean_name(n): p.grad.detach().cpu().clone()
+                    for n, p in model.named_parameters() if p.grad is not None}
+    result = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            result[clean_name(name)] = grad.detach().cpu().clone()
+    return result
+
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Clean FQN -> full value of every parameter and buffer, for "nothing changed" checks."""
+    state = full_parameters(model)
+    for name, buffer in model.named_buffers():
+        state[clean_name(name)] = buffer.detach().cpu().clone()
+    return state
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Norm-wise relative error ||a - e|| / ||e|| (0 when both are zero).

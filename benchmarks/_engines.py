@@ -1,0 +1,247 @@
+"""The benchmarked models and the engines that shard them.
+
+Every engine gets the same meta-device GPT and wraps it per transformer block plus a root unit.
+``fsdp_compat`` and torch FSDP1 are driven through the same FSDP1 calls (constructor, state-dict
+types, ``optim_state_dict``); raw FSDP2 through its own API (``fully_shard`` / ``replicate`` and
+``torch.distributed.checkpoint.state_dict``), written the way its documentation recommends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_compat.examples import Block, GPTConfig, TinyGPT
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A benchmarked model: its sizes and each rank's batch (sequences of ``block_size`` tokens)."""
+
+    config: GPTConfig
+    batch_per_rank: int
+
+
+# An odd vocabulary keeps the uneven-shard case of the test model. ~5M and ~50M parameters.
+MODELS = {
+    "small": ModelSpec(GPTConfig(vocab_size=2053, block_size=64, n_layer=6, n_head=8, n_embd=256), 4),
+    "large": ModelSpec(GPTConfig(vocab_size=2053, block_size=64, n_layer=10, n_head=10, n_embd=640), 1),
+}
+# ``--quick``: same structure, tiny sizes (for the smoke test).
+QUICK_MODELS = {
+    "small": ModelSpec(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32), 2),
+    "large": ModelSpec(GPTConfig(vocab_size=37, block_size=16, n_layer=3, n_head=4, n_embd=64), 2),
+}
+
+
+def build_meta_model(spec: ModelSpec) -> TinyGPT:
+    """The GPT with every parameter and buffer on the meta device (no memory yet)."""
+    with torch.device("meta"):
+        return TinyGPT(spec.config)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Distinct parameters (the tied head/embedding counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+@dataclass
+class RunContext:
+    """What a run is: strategy, device, and the meshes it may use (built once, lazily)."""
+
+    strategy: str
+    device: torch.device
+    world_size: int
+    hybrid_mesh: tuple[int, int]
+    _meshes: dict[tuple[int, ...], DeviceMesh] | None = None
+
+    @abstractmethod
+    def mesh(self, shape: tuple[int, ...]) -> DeviceMesh:
+        self._meshes = self._meshes or {}
+        if shape not in self._meshes:
+            names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+            self._meshes[shape] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self._meshes[shape]
+
+
+class Engine(ABC):
+    """One way of sharding the model and of taking its state dicts."""
+
+    name = ""
+    label = ""
+
+    @abstractmethod
+    def wrap(self, model: nn.Module, ctx: RunContext) -> nn.Module:
+        """Shard the meta-device ``model`` per block plus a root unit, with real storage."""
+
+    @abstractmethod
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The FULL (unsharded) model state dict, on every rank."""
+
+    @abstractmethod
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The sharded model state dict that goes to ``torch.distributed.checkpoint``."""
+
+    @abstractmethod
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load what :meth:`model_state` returned (filled in by ``dcp.load``)."""
+
+    @abstractmethod
+    def optim_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """The sharded optimizer state dict that goes to ``torch.distributed.checkpoint``."""
+
+    @abstractmethod
+    def load_optim_state(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load what :meth:`optim_state` returned (filled in by ``dcp.load``)."""
+
+
+class FSDP1StyleEngine(Engine):
+    """``fsdp_compat`` or torch FSDP1: the same FSDP1 program, only the import differs."""
+
+    def __init__(self, name: str, label: str, fsdp_class: Any, api: Any, policy_class: Any) -> None:
+        self.name, self.label = name, label
+        self.fsdp, self.api, self.policy_class = fsdp_class, api, policy_class
+
+    def wrap(self, model: nn.Module, ctx: RunContext) -> nn.Module:
+        kwargs: dict[str, Any] = dict(
+            auto_wrap_policy=self.policy_class({Block}),
+            sharding_strategy=getattr(self.api.ShardingStrategy, ctx.strategy),
+            device_id=ctx.device,  # FSDP1 refuses a CPU module without it
+        )
+        if ctx.strategy == "HYBRID_SHARD":
+            kwargs["device_mesh"] = ctx.mesh(ctx.hybrid_mesh)
+        return self.fsdp(model, **kwargs)
+
+    def _sharded(self, model: nn.Module) -> Any:
+        return self.fsdp.state_dict_type(model, self.api.StateDictType.SHARDED_STATE_DICT)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        # offload_to_cpu=False: FSDP1's offload path is broken on CPU (shared/FSDP1-CONTRACT.md);
+        # rank0_only=False so that every engine does the same work on every rank.
+        config = self.api.FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        with self.fsdp.state_dict_type(model, self.api.StateDictType.FULL_STATE_DICT, config):
+            return model.state_dict()
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        with self._sharded(model):
+            return model.state_dict()
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        with self._sharded(model):
+            model.load_state_dict(state)
+
+    def optim_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        with self._sharded(model):
+            return self.fsdp.optim_state_dict(model, optim)
+
+    def load_optim_state(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        with self._sharded(model):
+            optim.load_state_dict(self.fsdp.optim_state_dict_to_load(model, optim, state))
+
+
+# reshard_after_forward of the block units per strategy; ``None`` at the root lets the engine
+# keep it unsharded after forward, as FSDP1 and fsdp_compat do.
+_RAW_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "NO_SHARD": False}
+
+
+class RawFSDP2Engine(Engine):
+    """torch's FSDP2 API used directly: ``fully_shard`` per block and at the root.
+
+    For ``NO_SHARD`` it uses the engine's ``replicate`` (what fsdp_compat maps NO_SHARD to), or,
+    with ``replicate_as_hsdp``, ``fully_shard`` on a (world, 1) mesh (the alternative mapping).
+    """
+
+    def __init__(self, name: str, label: str, replicate_as_hsdp: bool = False) -> None:
+        self.name, self.label = name, label
+        self.replicate_as_hsdp = replicate_as_hsdp
+
+    def wrap(self, model: nn.Module, ctx: RunContext) -> nn.Module:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import fully_shard
+
+        units = [*model.blocks, model]
+        if ctx.strategy == "NO_SHARD" and not self.replicate_as_hsdp:
+            for unit in units:
+                replicate(unit, mesh=ctx.mesh((ctx.world_size,)))
+        else:
+            shape = {"HYBRID_SHARD": ctx.hybrid_mesh,
+                     "NO_SHARD": (ctx.world_size, 1)}.get(ctx.strategy, (ctx.world_size,))
+            mesh = ctx.mesh(shape)
+            reshard = _RAW_RESHARD[ctx.strategy]
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=None if reshard else False)
+        _materialize(model, ctx.device)
+        return model
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model)
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state)
+
+    def optim_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optim)
+
+    def load_optim_state(self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optim, state)
+
+
+@torch.no_grad()
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """FSDP2's documented meta-device recipe: allocate the shards, then initialise them."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def make_engine(name: str) -> Engine:
+    """The engine called ``name`` (imports FSDP1 only when asked for)."""
+    if name == "fsdp_compat":
+        import fsdp_compat
+        from fsdp_compat.wrap import ModuleWrapPolicy
+
+        return FSDP1StyleEngine(name, "fsdp_compat", fsdp_compat.FullyShardedDataParallel,
+                                fsdp_compat, ModuleWrapPolicy)
+    if name == "fsdp1":
+        import torch.distributed.fsdp as torch_fsdp
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP1StyleEngine(name, "torch FSDP1", torch_fsdp.FullyShardedDataParallel,
+                                torch_fsdp, ModuleWrapPolicy)
+    if name == "fully_shard":
+        return RawFSDP2Engine(name, "raw fully_shard")
+    if name == "fully_shard_ws1":
+        return RawFSDP2Engine(name, "raw fully_shard (ws,1)", replicate_as_hsdp=True)
+    raise ValueError(f"unknown engine {name!r}; choose from fsdp_compat, fsdp1, fully_shard, "
+                     "fully_shard_ws1")
+
+
+def fsdp1_available() -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401
+    except ImportError:
+        return False
+    return True

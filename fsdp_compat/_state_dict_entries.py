@@ -1,0 +1,175 @@
+"""What a wrapper's state dict is made of, for saving and loading alike.
+
+``nn.Module.state_dict`` over the wrapped tree lists the entries (so module hooks, extra state and
+key order stay torch's); each is resolved to the module holding it, its innermost wrapper and,
+for an engine-managed parameter, the engine's sharded ``DTensor``. Also here: which type and
+config apply (the wrapper's, or what ``torch.distributed.checkpoint.state_dict`` asks for).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import inspect
+import sys
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from . import _engine
+from ._common import CHECKPOINT_WRAPPED_MODULE, FSDP_WRAPPED_MODULE, TrainingState, clean_name, warn_once
+from .api import FullStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictType
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+_WRAPPER_SEGMENTS = {FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE}
+
+
+def _wrappers(module: nn.Module) -> list[FullyShardedDataParallel]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel  # that module imports this one
+
+    return FullyShardedDataParallel.fsdp_modules(module)
+
+
+# Set while a wrapper runs ``nn.Module.state_dict`` over its tree: nested wrappers reached by that
+# recursion then contribute their raw entries instead of producing a state dict of their own.
+_collecting: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_compat_collecting", default=False)
+
+
+@dataclasses.dataclass
+class _Entry:
+    key: str  # clean key, relative to the wrapper whose state dict this is
+    raw_key: str  # nn.Module's key (wrapper prefixes included), relative likewise
+    value: Any  # what the module holds under that key (tensor or extra state)
+    unit: FullyShardedDataParallel  # innermost wrapper holding it
+    sharded: DTensor | None = None  # the engine-sharded parameter, for a managed parameter
+    summoned: bool = False  # the unit is inside summon_full_params
+    is_buffer: bool = False
+    is_plain_param: bool = False  # a parameter the engine does not manage (ignored)
+
+    @property
+    def full_visible(self) -> bool:
+        """A summoned parameter whose full value is what the module shows (edits included)."""
+        return self.summoned and self.sharded is not None and not isinstance(self.value, DTensor)
+
+
+def _raw_state_dict(wrapper: nn.Module) -> OrderedDict[str, Any]:
+    token = _collecting.set(True)
+    try:
+        return nn.Module.state_dict(wrapper, keep_vars=True)
+    finally:
+        _collecting.reset(token)
+
+
+def _entries(wrapper: FullyShardedDataParallel) -> tuple[list[_Entry], OrderedDict[str, Any]]:
+    """The wrapper's state entries in ``nn.Module.state_dict`` order, and its ``_metadata``."""
+    raw = _raw_state_dict(wrapper)
+    sharded_by_slot = {(id(module), name): sharded
+                       for unit in _wrappers(wrapper)
+                       for sharded, slots in _engine.unit_param_slots(unit.module)
+                       for module, name in slots}
+    entries = []
+    for raw_key, value in raw.items():
+        owner, attr, unit = _locate(wrapper, raw_key)
+        entry = _Entry(clean_name(raw_key), raw_key, value, unit,
+                       summoned=unit.training_state == TrainingState.SUMMON_FULL_PARAMS)
+        if owner is not None:
+            entry.sharded = sharded_by_slot.get((id(owner), attr))
+            entry.is_buffer = attr in owner._buffers
+            entry.is_plain_param = entry.sharded is None and attr in owner._parameters
+        if entry.sharded is not None and isinstance(value, DTensor):
+            entry.sharded = value  # the registered parameter wins if the user swapped one in
+        entries.append(entry)
+    return entries, getattr(raw, "_metadata", OrderedDict())
+
+
+def _locate(wrapper: FullyShardedDataParallel, raw_key: str) -> tuple[nn.Module | None, str, Any]:
+    """The module owning ``raw_key``'s tensor, the attribute name, and the innermost wrapper."""
+    *path, attr = raw_key.split(".")
+    module: nn.Module = wrapper
+    unit = wrapper
+    wrapper_class = type(wrapper)
+    for segment in path:
+        child = _inside_checkpoint_wrappers(module, segment)._modules.get(segment)
+        if child is None:  # a key renamed by a module's own state-dict hook
+            return None, attr, unit
+        module = child
+        if isinstance(module, wrapper_class):
+            unit = module
+    return _inside_checkpoint_wrappers(module, attr), attr, unit
+
+
+def _inside_checkpoint_wrappers(module: nn.Module, name: str) -> nn.Module:
+    """Activation-checkpoint wrappers drop their own name from state-dict keys (a hook of theirs):
+    the module that really has ``name`` may be inside them."""
+    while not _has_member(module, name) and CHECKPOINT_WRAPPED_MODULE in module._modules:
+        module = module._modules[CHECKPOINT_WRAPPED_MODULE]
+    return module
+
+
+def _has_member(module: nn.Module, name: str) -> bool:
+    return name in module._modules or name in module._parameters or name in module._buffers
+
+
+def _clean_module_path(path: str) -> str:
+    return ".".join(s for s in path.split(".") if s not in _WRAPPER_SEGMENTS) if path else path
+
+
+def _check_not_in_iteration(wrapper: FullyShardedDataParallel, what: str) -> None:
+    if wrapper.training_state == TrainingState.FORWARD_BACKWARD or \
+            _engine.iteration_in_progress(wrapper.module):
+        raise AssertionError(f"{what} was called while a forward or backward pass is running "
+                             "(FSDP1 raises here too); call it between training steps")
+
+
+def _effective_settings(wrapper: FullyShardedDataParallel) -> tuple[StateDictType, StateDictConfig]:
+    """The wrapper's type and config, or what ``torch.distributed.checkpoint.state_dict`` asks for."""
+    options = _distributed_checkpoint_options()
+    if options is None:
+        return wrapper._state_dict_type, wrapper._state_dict_config
+    # The same mapping torch applies to FSDP1 modules in ``_verify_options``.
+    if options.full_state_dict:
+        return StateDictType.FULL_STATE_DICT, FullStateDictConfig(
+            offload_to_cpu=options.cpu_offload, rank0_only=options.cpu_offload)
+    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
+
+
+def _distributed_checkpoint_options() -> Any | None:
+    """The options of a ``get_state_dict`` / ``set_state_dict`` (torch.distributed.checkpoint)
+    call that is asking this wrapper for its state, if that is why we run.
+
+    torch gives FSDP1 modules SHARDED or FULL state dicts from those options by setting their
+    state-dict type first; it does not know our class (the check is ``isinstance`` on FSDP1's),
+    so we look for its caller frame and read the options it holds. If torch moves these
+    functions this finds nothing and the wrapper's own type is used, which is still correct.
+    """
+    try:
+        from torch.distributed.checkpoint import state_dict as dsd
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return None
+    callers = {inspect.unwrap(function).__code__
+               for function in (getattr(dsd, "_get_model_state_dict", None),
+                                getattr(dsd, "_load_model_state_dict", None)) if function is not None}
+    frame = sys._getframe(1)
+    for _ in range(16):  # a few calls up; more when the wrapper sits inside a plain module
+        if frame is None:
+            return None
+        if frame.f_code in callers:
+            options = frame.f_locals.get("info")
+            return options if hasattr(options, "full_state_dict") else None
+        frame = frame.f_back
+    return None
+
+
+def _entry_settings(entry: _Entry, requested: StateDictType,
+                    config: StateDictConfig) -> tuple[StateDictType, StateDictConfig]:
+    """FSDP1 gives a ``NO_SHARD`` unit's states as FULL with the default config, whatever was set."""
+    if entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD:
+        return requested, config
+    if requested != StateDictType.FULL_STATE_DICT:
+        warn_once("no_shard_state_dict", "When using NO_SHARD for ShardingStrategy, full_state_dict "
+                  "will be returned.")
+    return StateDictType.FULL_STATE_DICT, FullStateDictConfig()

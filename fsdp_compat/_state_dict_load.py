@@ -1,0 +1,375 @@
+"""Loading a model state dict: all of it on every rank, or (raising) nothing anywhere.
+
+Every key, shape and value (tensor-like, castable: one element is trial-copied) is checked on
+every rank before anything is written; ranks agree on the outcome with one all-reduce, so no rank
+copies while another raises. Values are then converted to what the module holds (DTensors laid
+out as the engine's parameters, plain tensors otherwise) and ``nn.Module.load_state_dict`` copies
+them, hooks and extra state included. Accepted values, whatever the type: plain tensors (full
+ones; this rank's pieces under LOCAL), ``DTensor`` and FSDP1's ``ShardedTensor`` (any layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
+
+from . import _engine
+from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_name
+from ._full_tensors import sharded_tensor_local_piece
+from ._state_dict_entries import (
+    _clean_module_path,
+    _distributed_checkpoint_options,
+    _effective_settings,
+    _Entry,
+    _entries,
+    _check_not_in_iteration,
+    _wrappers,
+)
+from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, to_full
+from .api import ShardingStrategy, StateDictType
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = ["load_state_dict", "register_load_hooks"]
+
+_FLAT_PARAM = "_flat_param"
+# Set while ``load_state_dict`` lets ``nn.Module`` copy into a wrapper: its hooks stand aside.
+_loading: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_compat_loading", default=False)
+
+
+@dataclasses.dataclass
+class _Incoming:
+    entry: _Entry
+    value: Any
+
+
+def load_state_dict(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any],
+                    strict: bool = True, assign: bool = False) -> _IncompatibleKeys:
+    """Load ``state_dict`` into ``wrapper``: all of it on every rank, or (raising) nothing anywhere.
+
+    Accepted values, whatever the type: plain tensors (full ones; this rank's pieces under
+    LOCAL), ``DTensor`` and ``ShardedTensor`` (any layout). ``strict=False`` reports missing and
+    unexpected keys as ``nn.Module`` does.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+    _check_not_in_iteration(wrapper, "load_state_dict()")
+    state_dict_type, _ = _effective_settings(wrapper)
+    metadata = getattr(state_dict, "_metadata", None)
+    _reshard_units(wrapper)
+    entries, _ = _entries(wrapper)
+    state_dict = _as_given_by_distributed_checkpoint(wrapper, state_dict, entries)
+    incoming, missing, unexpected = _match_keys(entries, state_dict)
+    errors = _key_errors(missing, unexpected, strict)
+    errors += [e for item in incoming for e in _value_errors(item, state_dict_type)]
+    _agree_or_raise(wrapper, errors)
+    summoned = [item for item in incoming if item.entry.full_visible]
+    raw = _converted([item for item in incoming if not item.entry.full_visible], state_dict_type)
+    raw._metadata = _raw_metadata(wrapper, metadata)  # type: ignore[attr-defined]
+    # Everything was checked on every rank: nn.Module's copy (hooks, extra state, assign) runs
+    # only on input it accepts.
+    token = _loading.set(True)
+    try:
+        with _shards_registered(wrapper):
+            nn.Module.load_state_dict(wrapper, raw, strict=False, assign=assign)
+    finally:
+        _loading.reset(token)
+    _copy_into_summoned(summoned)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def register_load_hooks(wrapper: FullyShardedDataParallel) -> None:
+    """Let a plain module holding the wrapper load it (``DDP(FSDP(model))``), as FSDP1 does."""
+    wrapper._register_load_state_dict_pre_hook(_load_inside_plain_module, with_module=True)
+    wrapper.register_load_state_dict_post_hook(_forget_wrapped_missing_keys)
+
+
+def _load_inside_plain_module(wrapper: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str,
+                              local_metadata: Any, strict: bool, missing_keys: list[str],
+                              unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """``nn.Module.load_state_dict`` of a plain module holding a root wrapper reaches the wrapper
+    with FSDP1's clean keys: load them with ``load_state_dict`` and hand nn.Module none of them.
+
+    Bad values change nothing in the wrapper's tree; but nn.Module does not tell hooks whether
+    the outer load is strict (``strict`` is always True here), so missing and unexpected keys are
+    reported to it and it raises after the rest was copied, as it does for plain modules.
+    """
+    if _loading.get() or not wrapper._is_root:
+        return
+    ours = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict) if key.startswith(prefix)}
+    result = load_state_dict(wrapper, ours, strict=False)
+    missing_keys.extend(prefix + key for key in result.missing_keys)
+    unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
+
+
+def _forget_wrapped_missing_keys(wrapper: FullyShardedDataParallel, incompatible_keys: _IncompatibleKeys) -> None:
+    """After :func:`_load_inside_plain_module`, nn.Module reports the tree's wrapper-prefixed keys
+    missing (it was handed none); they were loaded under their clean names."""
+    if _loading.get() or not wrapper._is_root:
+        return
+    incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys
+                                         if FSDP_WRAPPED_MODULE not in key.split(".")]
+
+
+def _reshard_units(wrapper: FullyShardedDataParallel) -> None:
+    """Register the sharded parameters (the root keeps full ones after a no-grad forward), so that
+    loading writes the shards and no stale full copy is used afterwards. Summoned units keep
+    their full parameters: loading writes those, and summon's writeback takes it from there."""
+    for unit in _wrappers(wrapper):
+        if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
+            unit.module.reshard()
+
+
+@contextlib.contextmanager
+def _shards_registered(wrapper: FullyShardedDataParallel) -> Iterator[None]:
+    """The engine's post-load hooks re-read each parameter's registration and expect its shard;
+    summoned units show full parameters instead, so their shards stand in during the load."""
+    swapped = []
+    for unit in _wrappers(wrapper):
+        if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
+            continue
+        for sharded, slots in _engine.unit_param_slots(unit.module):
+            owner, name = slots[0]
+            shown = getattr(owner, name)
+            if shown is not sharded:
+                swapped.append((slots, shown))
+                for module, attr in slots:
+                    _engine.register_param(module, attr, sharded)
+    try:
+        yield
+    finally:
+        for slots, shown in swapped:
+            for module, attr in slots:
+                _engine.register_param(module, attr, shown)
+
+
+@torch.no_grad()
+def _copy_into_summoned(summoned: list[_Incoming]) -> None:
+    """Inside summon_full_params the full parameters are what is loaded (FSDP1); summon's
+    writeback carries them to the shards."""
+    for item in summoned:
+        item.entry.value.copy_(to_full(item.value))
+
+
+def _match_keys(entries: list[_Entry], state_dict: Mapping[str, Any]) -> tuple[list[_Incoming], list[str], list[str]]:
+    expected = {entry.key for entry in entries}
+    incoming = [_Incoming(entry, state_dict[entry.key]) for entry in entries if entry.key in state_dict]
+    missing = [entry.key for entry in entries if entry.key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    return incoming, missing, unexpected
+
+
+def _as_given_by_distributed_checkpoint(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any],
+                                        entries: list[_Entry]) -> Mapping[str, Any]:
+    """What ``set_state_dict`` (torch.distributed.checkpoint) means by the dict it passes us."""
+    options = _distributed_checkpoint_options()
+    if options is None:
+        return state_dict
+    state_dict = _without_own_tensors(state_dict, entries)
+    if options.broadcast_from_rank0:
+        state_dict = _broadcast_from_rank0(state_dict, wrapper.compute_device)
+    return state_dict
+
+
+def _without_own_tensors(state_dict: Mapping[str, Any], entries: list[_Entry]) -> dict[str, Any]:
+    """``set_state_dict`` with ``full_state_dict`` or ``broadcast_from_rank0`` adds the model's own
+    tensors under their wrapper-prefixed names next to the clean keys (torch lists a module's
+    states by ``named_parameters``, which carry the prefix); writing a tensor onto itself is a
+    no-op, so they are dropped."""
+    own = {entry.raw_key: entry.value for entry in entries}
+    return {key: value for key, value in state_dict.items()
+            if not (key in own and own[key] is value and key != clean_name(key))}
+
+
+@dataclasses.dataclass
+class _TensorSpec:
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _broadcast_from_rank0(state_dict: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """Rank 0's state dict on every rank (``broadcast_from_rank0=True``; torch broadcasts over the
+    default group, so do we). Tensors travel one by one; other values with the key list."""
+    manifest = [{key: _TensorSpec(value.shape, value.dtype) if isinstance(value, torch.Tensor) else value
+                 for key, value in state_dict.items()} if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(manifest, src=0)
+    received: dict[str, Any] = {}
+    for key, described in manifest[0].items():
+        if not isinstance(described, _TensorSpec):
+            received[key] = described
+            continue
+        if dist.get_rank() == 0:
+            tensor = to_full(state_dict[key]).detach().to(device, copy=True)
+        else:
+            tensor = torch.empty(described.shape, dtype=described.dtype, device=device)
+        dist.broadcast(tensor, src=0)
+        received[key] = tensor
+    return received
+
+
+def _key_errors(missing: list[str], unexpected: list[str], strict: bool) -> list[str]:
+    if not strict:
+        return []
+    errors = []
+    if missing:
+        errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    if unexpected:
+        errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+        if any(key.endswith(_FLAT_PARAM) for key in unexpected):
+            errors.append("This looks like a torch-FSDP1 LOCAL_STATE_DICT (flat parameters), which "
+                          "has no meaning without FSDP1's FlatParameter: save it from FSDP1 as "
+                          "FULL_STATE_DICT or SHARDED_STATE_DICT instead.")
+    return errors
+
+
+def _target(item: _Incoming, state_dict_type: StateDictType) -> tuple[torch.Size, str]:
+    """The shape the value must have, and what that shape is, for the messages."""
+    entry = item.entry
+    if entry.sharded is None or entry.full_visible:
+        return entry.value.shape, "the shape in current model is"
+    if _is_local_type(entry, state_dict_type) and not _is_distributed(item.value):
+        return entry.sharded.to_local().shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
+    return entry.sharded.shape, "the shape in current model is"
+
+
+def _value_errors(item: _Incoming, state_dict_type: StateDictType) -> list[str]:
+    """nn.Module's checks (type, shape, the copy itself), done before anything is copied."""
+    entry, value = item.entry, item.value
+    if not isinstance(entry.value, torch.Tensor):
+        return []  # extra state: the module's set_extra_state judges it
+    if not torch.overrides.is_tensor_like(value):
+        return [f'While copying the parameter named "{entry.key}", expected torch.Tensor or '
+                f"Tensor-like object from checkpoint but received {type(value)}"]
+    shape, described = _target(item, state_dict_type)
+    value_shape = value.shape
+    if len(shape) == 0 and len(value_shape) == 1 and value_shape[0] == 1:
+        value_shape = shape  # nn.Module's allowance: a 1-element 1-d value for a 0-d tensor
+    if value_shape != shape:
+        return [f"size mismatch for {entry.key}: copying a param with shape {value.shape} from "
+                f"checkpoint, {described} {shape}."]
+    try:
+        _trial_copy(value, entry)
+    except Exception as error:  # noqa: BLE001 - reported as nn.Module reports copy failures
+        return [f'While copying the parameter named "{entry.key}", whose dimensions in the model '
+                f"are {shape} and whose dimensions in the checkpoint are {value.shape}, an "
+                f"exception occurred : {error.args}."]
+    return []
+
+
+def _trial_copy(value: torch.Tensor, entry: _Entry) -> None:
+    """Copy one element the way the load will, to catch values that cannot be cast (meta,
+    quantized...) before anything is written."""
+    target = entry.sharded.to_local() if entry.sharded is not None and not entry.full_visible else entry.value
+    source = _local_part(value)
+    if source is None or source.numel() == 0:
+        source = torch.empty(1, dtype=value.dtype, device=_device_of(value))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. complex -> real: the real copy warns once
+        torch.empty(1, dtype=target.dtype, device=target.device).copy_(source.reshape(-1)[:1])
+
+
+def _local_part(value: torch.Tensor) -> torch.Tensor | None:
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if _is_distributed(value):
+        shards = value.local_shards()  # type: ignore[attr-defined]
+        return shards[0].tensor if shards else None
+    return value
+
+
+def _device_of(value: torch.Tensor) -> torch.device:
+    local = _local_part(value)
+    return local.device if local is not None else torch.device("cpu")
+
+
+def _is_distributed(value: Any) -> bool:
+    """DTensor or ShardedTensor: values that carry their global shape."""
+    return isinstance(value, DTensor) or is_sharded_tensor(value)
+
+
+def _agree_or_raise(wrapper: FullyShardedDataParallel, errors: list[str]) -> None:
+    """Raise the same ``RuntimeError`` on every rank if the checks failed on any of them, so that
+    no rank copies while another one raises."""
+    failed = _failed_ranks(wrapper, bool(errors))
+    if not failed:
+        return
+    if not errors:
+        errors = [f"The state dict is invalid on rank(s) {failed} (see the error raised there); "
+                  "nothing was loaded on any rank."]
+    raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+        type(wrapper).__name__, "\n\t".join(errors)))
+
+
+def _failed_ranks(wrapper: FullyShardedDataParallel, failed_here: bool) -> list[int]:
+    mesh = wrapper._device_mesh
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=wrapper.compute_device)
+    flags[dist.get_rank()] = int(failed_here)
+    for dim in range(mesh.ndim):  # along each mesh dimension in turn: every rank of the mesh
+        dist.all_reduce(flags, group=mesh.get_group(dim))
+    return flags.nonzero().flatten().tolist()
+
+
+@torch.no_grad()
+def _converted(incoming: list[_Incoming], state_dict_type: StateDictType) -> OrderedDict[str, Any]:
+    """Raw-keyed values in the form of what the module holds: DTensors laid out as the engine's
+    parameters, plain full tensors for the rest. Collectives run here (every rank has the same
+    keys: the checks passed everywhere)."""
+    raw: OrderedDict[str, Any] = OrderedDict()
+    for item in incoming:
+        raw[item.entry.raw_key] = _as_target_form(item, state_dict_type)
+    return raw
+
+
+def _as_target_form(item: _Incoming, state_dict_type: StateDictType) -> Any:
+    entry, value = item.entry, item.value
+    if not isinstance(entry.value, torch.Tensor):
+        return value
+    if entry.sharded is None or entry.full_visible:
+        return to_full(value)
+    sharded = entry.sharded
+    piece = _piece_without_communication(value, sharded, _is_local_type(entry, state_dict_type))
+    if piece is None:
+        return shard_like(to_full(value), sharded)
+    return DTensor.from_local(piece.to(sharded.to_local().device), sharded.device_mesh, sharded.placements,
+                              run_check=False, shape=sharded.shape, stride=sharded.stride())
+
+
+def _piece_without_communication(value: torch.Tensor, sharded: DTensor, local_type: bool) -> torch.Tensor | None:
+    """This rank's piece of ``value`` in ``sharded``'s layout, when no collective is needed."""
+    if isinstance(value, DTensor):
+        return value.to_local() if same_layout(value, sharded) else None
+    if is_sharded_tensor(value):
+        return sharded_tensor_local_piece(value, sharded)
+    return value if local_type else None
+
+
+def _is_local_type(entry: _Entry, state_dict_type: StateDictType) -> bool:
+    """Whether plain values are this rank's pieces (LOCAL) rather than full tensors."""
+    return (state_dict_type == StateDictType.LOCAL_STATE_DICT
+            and entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD)
+
+
+def _raw_metadata(wrapper: FullyShardedDataParallel, metadata: Mapping[str, Any] | None) -> OrderedDict[str, Any]:
+    """``_metadata`` (module versions) re-keyed from clean module paths to the wrapped tree's."""
+    result: OrderedDict[str, Any] = OrderedDict()
+    if not metadata:
+        return result
+    for path, _ in wrapper.named_modules():
+        clean = _clean_module_path(path)
+        if clean in metadata:
+            result[path] = metadata[clean]
+        elif path in metadata:
+            result[path] = metadata[path]
+    return result

@@ -1,0 +1,170 @@
+"""One tensor in three layouts: full, sharded like an engine parameter (DTensor), FSDP1's ShardedTensor.
+
+Checkpoints move optimizer state (and parameters) between these layouts. Every conversion here
+returns new memory: a state dict that aliased the live optimizer state would change under the
+user's feet at the next step (FSDP1's own gather reuses one buffer and hands out aliases of it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+# The local slice of a DTensor layout on this rank (uneven and empty shards included).
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ._full_tensors import gather_full_tensors
+
+try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+except ImportError:  # pragma: no cover - depends on the torch version
+    ShardedTensor = None  # type: ignore[assignment, misc]
+
+__all__ = [
+    "copy_to",
+    "full_tensor",
+    "full_tensors",
+    "is_replicated_only",
+    "is_sharded_tensor",
+    "local_copy",
+    "same_layout",
+    "shard_like",
+    "to_full",
+    "to_layout_of",
+]
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    """Whether ``value`` is FSDP1's (deprecated) ``ShardedTensor``."""
+    return ShardedTensor is not None and isinstance(value, ShardedTensor)
+
+
+def is_replicated_only(value: DTensor) -> bool:
+    """Whether every rank holds the whole of ``value`` (``NO_SHARD``'s layout)."""
+    return all(isinstance(placement, Replicate) for placement in value.placements)
+
+
+def copy_to(tensor: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """A detached copy of a plain tensor, on ``device`` (default: where it is)."""
+    return tensor.detach().to(device if device is not None else tensor.device, copy=True)
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def full_tensor(value: DTensor) -> torch.Tensor:
+    """The unsharded value of ``value`` as new memory, on the device of its local shard.
+
+    A collective over ``value``'s mesh: every rank of it must call. A CPU-offloaded shard on an
+    accelerator mesh is moved to the mesh's device for the all-gather.
+    """
+    local = value.to_local()
+    mesh = value.device_mesh
+    if local.device.type != mesh.device_type:
+        value = DTensor.from_local(local.to(mesh.device_type), mesh, value.placements,
+                                   run_check=False, shape=value.shape, stride=value.stride())
+    full = value.full_tensor()
+    if _shares_memory(full, local):  # Replicate-only layouts gather to the shard itself
+        full = full.clone()
+    return full.to(local.device)
+
+
+def full_tensors(values: list[DTensor]) -> list[torch.Tensor]:
+    """The unsharded values of ``values`` as new memory each, with one all-gather per process
+    group and dtype (``full_tensor`` would issue one per tensor). A collective: every rank of
+    the meshes must call with the same tensors in the same order."""
+    if not values:
+        return []
+    device = torch.device(values[0].device_mesh.device_type)
+    fulls = gather_full_tensors(values, device)
+    results, seen = [], {value.to_local().untyped_storage().data_ptr() for value in values}
+    for value, full in zip(values, fulls):
+        if full.numel() and full.untyped_storage().data_ptr() in seen:  # a one-rank gather's views
+            full = full.clone()
+        seen.add(full.untyped_storage().data_ptr())
+        results.append(full.to(value.to_local().device))
+    return results
+
+
+def local_copy(value: DTensor, device: torch.device | str | None = None) -> DTensor:
+    """``value`` with its local shard copied (optionally to ``device``); same layout."""
+    return DTensor.from_local(copy_to(value.to_local(), device), value.device_mesh, value.placements,
+                              run_check=False, shape=value.shape, stride=value.stride())
+
+
+def same_layout(value: DTensor, like: DTensor) -> bool:
+    """Whether ``value`` is sharded exactly as ``like`` (so its local shard is ours as is)."""
+    return (value.shape == like.shape and value.device_mesh == like.device_mesh
+            and tuple(value.placements) == tuple(like.placements))
+
+
+def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's part of ``full`` laid out as ``like`` (a parameter), as new memory.
+
+    No communication: every rank holds ``full`` and keeps its own slice, with the engine's
+    ``torch.chunk`` sharding (uneven and empty shards included) taken from ``like`` itself.
+    """
+    local_like = like.to_local()
+    local_shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh,
+                                                                like.placements)
+    index = tuple(slice(start, start + size) for start, size in zip(offset, local_shape))
+    local = torch.empty(local_shape, dtype=full.dtype, device=local_like.device)
+    local.copy_(full[index])
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def _comm_device(group: Any) -> torch.device:
+    """Where tensors must live to be sent over ``group`` (its backend's device)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
+    """Gather an FSDP1 ``ShardedTensor`` on every rank: each shard is broadcast by its owner."""
+    metadata = value.metadata()
+    group = value._process_group
+    device = _comm_device(group)
+    dtype = metadata.tensor_properties.dtype
+    mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in value.local_shards()}
+    full = torch.empty(tuple(metadata.size), dtype=dtype, device=device)
+    for shard in metadata.shards_metadata:
+        if 0 in shard.shard_sizes:
+            continue
+        offsets = tuple(shard.shard_offsets)
+        owner = shard.placement.rank()  # a rank of the ShardedTensor's group
+        piece = mine.get(offsets) if owner == dist.get_rank(group) else None
+        buffer = (piece.to(device, copy=True) if piece is not None
+                  else torch.empty(shard.shard_sizes, dtype=dtype, device=device))
+        dist.broadcast(buffer, group_src=owner, group=group)
+        index = tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))
+        full[index] = buffer
+    return full
+
+
+def to_full(value: torch.Tensor) -> torch.Tensor:
+    """Any of the three layouts as a full tensor (collective for DTensor and ShardedTensor)."""
+    if isinstance(value, DTensor):
+        return full_tensor(value)
+    if is_sharded_tensor(value):
+        return _sharded_tensor_to_full(value)
+    return value
+
+
+def to_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, as new memory.
+
+    A DTensor already sharded as ``like`` (a checkpoint loaded into a template from this model)
+    is copied without communication; other layouts are gathered first.
+    """
+    if isinstance(like, DTensor):
+        if isinstance(value, DTensor) and same_layout(value, like):
+            return local_copy(value, like.to_local().device)
+        return shard_like(to_full(value), like)
+    full = to_full(value)
+    return copy_to(full, like.device)

@@ -1,0 +1,85 @@
+"""Smoke test of ``benchmarks/bench.py``: a ``--quick`` run end to end, plus its accounting helpers.
+
+The benchmark's numbers are reported, never asserted; what is checked here is that the script
+runs, that every engine produces measurements, and that the collective counts it reports are the
+ones the engines must issue (so the comparison with the theoretical minimum means something).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from _comm import collective_type, theoretical_min_traffic  # noqa: E402
+
+try:
+    from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401
+    HAVE_FSDP1 = True
+except ImportError:  # pragma: no cover - depends on the torch version
+    HAVE_FSDP1 = False
+
+
+def test_collective_types_of_engine_ops() -> None:
+    assert collective_type("allgather_") == "all_gather"
+    assert collective_type("_allgather_base_") == "all_gather"
+    assert collective_type("all_gather_into_tensor") == "all_gather"
+    assert collective_type("_reduce_scatter_base_") == "reduce_scatter"
+    assert collective_type("reduce_scatter_tensor") == "reduce_scatter"
+    assert collective_type("allreduce_") == "all_reduce"
+    assert collective_type("broadcast_") == "broadcast"
+    assert collective_type("wait_tensor") is None
+
+
+def test_theoretical_minimum() -> None:
+    # 3x / 2x / 2x the parameter bytes times (n-1)/n; hybrid adds the replica all-reduce of a shard.
+    assert theoretical_min_traffic("FULL_SHARD", 1000, 2) == 1500
+    assert theoretical_min_traffic("SHARD_GRAD_OP", 1000, 4) == 1500
+    assert theoretical_min_traffic("NO_SHARD", 1000, 2) == 1000
+    assert theoretical_min_traffic("HYBRID_SHARD", 1000, 4, (2, 2)) == 1500 + 2 * 500 * 0.5
+    assert theoretical_min_traffic("HYBRID_SHARD", 1000, 2, (1, 2)) == 1500
+
+
+def test_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(BENCHMARKS / "bench.py"), "--quick", "--nproc", "2", "--models", "small",
+               "--strategies", "FULL_SHARD,NO_SHARD", "--json", str(out), "--plot", str(tmp_path / "p.png")]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compat/raw" in done.stdout and "targets" in done.stdout
+    assert "plot written" in done.stdout or "matplotlib is not installed" in done.stdout
+
+    result = json.loads(out.read_text())
+    summary = result["summary"]["small"]
+    engines = ["fsdp_compat", "fully_shard"] + (["fsdp1"] if HAVE_FSDP1 else [])
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        for engine in engines:
+            cell = summary[strategy][engine]
+            for metric in ("step_time_s", "step_cpu_s", "peak_mb", "state_mb", "wrap_time_s"):
+                assert isinstance(cell[metric], float), (strategy, engine, metric, cell[metric])
+    assert isinstance(summary["NO_SHARD"]["fully_shard_ws1"]["step_time_s"], float)
+
+    # The quick model has 2 blocks + a root unit: FULL_SHARD gathers the root once and each block
+    # twice (forward, backward) and reduce-scatters every unit; NO_SHARD all-reduces every unit.
+    runs = {(r["spec"]["strategy"], r["spec"]["engine"]): r for r in result["runs"]}
+    for engine in engines:
+        full = runs[("FULL_SHARD", engine)]["comm"]["train_step"]["by_type"]
+        assert (full["all_gather"]["count"], full["reduce_scatter"]["count"]) == (5, 3), (engine, full)
+        no_shard = runs[("NO_SHARD", engine)]["comm"]["train_step"]["by_type"]
+        assert set(no_shard) == {"all_reduce"} and no_shard["all_reduce"]["count"] == 3, (engine, no_shard)
+        for strategy in ("FULL_SHARD", "NO_SHARD"):
+            assert 0.9 < summary[strategy][engine]["comm_vs_min"] < 1.1, (strategy, engine)
+
+
+@pytest.mark.parametrize("argument", ["--models=huge", "--strategies=FOO", "--engines=ddp"])
+def test_bad_arguments_fail_fast(argument: str) -> None:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench.py"), "--quick", argument],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "choose from" in (done.stdout + done.stderr)

@@ -1,0 +1,467 @@
+"""``summon_full_params``, ``apply`` and the rest of the instance API (``fsdp_modules``,
+``check_is_root``), side by side with the single-process reference and torch FSDP1.
+
+FSDP1 is built with ``use_orig_params=True`` so its original parameters (and gradients) are
+readable inside ``summon_full_params``; golden values in ``tests/golden/runtime_summon.json``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import fsdp_compat
+from fsdp_compat import FullyShardedDataParallel as FSDP
+from fsdp_compat.examples import Block, GPTConfig
+from fsdp_compat.testing import distributed_test
+from tests import differential as diff
+
+GOLDEN = "runtime_summon"
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+FLAT = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _hybrid_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(diff.device().type, (2, dist.get_world_size() // 2),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def _fsdp1_classes() -> list[type]:
+    return [diff.TorchFSDP] if diff.HAVE_FSDP1 else []
+
+
+def _build(wrapper_class, strategy: str = "FULL_SHARD", model: nn.Module | None = None, **kwargs) -> nn.Module:
+    """``model`` (default: the seeded TinyGPT) wrapped per block, ``use_orig_params=True``."""
+    is_fsdp1 = wrapper_class is diff.TorchFSDP
+    if strategy in HYBRID:
+        kwargs.setdefault("device_mesh", _hybrid_mesh())
+    policy = diff.block_policy_torch() if is_fsdp1 else fsdp_compat.wrap.ModuleWrapPolicy({Block})
+    if "mixed_precision" in kwargs and is_fsdp1:
+        kwargs["mixed_precision"] = diff.torch_fsdp.MixedPrecision(**vars(kwargs["mixed_precision"]))
+    return wrapper_class(model if model is not None else diff.make_model(),
+                         sharding_strategy=fsdp_compat.ShardingStrategy[strategy], auto_wrap_policy=policy,
+                         use_orig_params=True, **(diff.fsdp1_kwargs() if is_fsdp1 else {}), **kwargs)
+
+
+def _inside(model: nn.Module, wrapper_class=FSDP, **summon_kwargs) -> dict[str, torch.Tensor]:
+    """Clean name -> a copy of what ``named_parameters()`` shows inside ``summon_full_params``."""
+    with wrapper_class.summon_full_params(model, **summon_kwargs):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _reference_params(model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    model = model if model is not None else diff.make_model()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _is_full(values: dict[str, torch.Tensor]) -> dict[str, bool]:
+    """Which matrix parameters are visible at their full shape. FSDP1 shows shards as 1-D views
+    (a 1-D parameter lying wholly in one rank's shard then looks full), fsdp_compat as DTensors."""
+    full_shapes = {name: p.shape for name, p in diff.make_model().named_parameters() if p.ndim > 1}
+    return {name: not isinstance(t, DTensor) and t.shape == full_shapes[name]
+            for name, t in values.items() if name in full_shapes}
+
+
+@torch.no_grad()
+def _halve_all(model: nn.Module) -> None:
+    for param in model.parameters():
+        param.mul_(0.5)
+
+
+def _train_losses(model: nn.Module, steps: int = 2) -> list[float]:
+    return diff.train(model, diff.make_optimizer("sgd", model.parameters()), steps)
+
+
+def _check_fsdp1(key: str, ours: list[float], run_fsdp1, rtol: float = 1e-5) -> None:
+    """``ours`` equals FSDP1's values (run now, or its golden values when torch lacks FSDP1)."""
+    golden = diff.load_golden(GOLDEN) or {}
+    if diff.HAVE_FSDP1:
+        golden[key] = run_fsdp1()
+        diff.save_golden(GOLDEN, golden)
+    assert key in golden, f"no FSDP1 result or golden value for {key}"
+    diff.assert_close_lists(ours, golden[key], rtol=rtol, what=f"{key} vs torch FSDP1")
+
+
+def _key(*parts: object) -> str:
+    return "-".join(str(p) for p in (f"ws{dist.get_world_size()}", *parts))
+
+
+# ---------------------------------------------------------------------------------------------
+# Values, writeback, discard
+# ---------------------------------------------------------------------------------------------
+
+
+def _edit_then_train(wrapper_class, strategy: str, **kwargs) -> tuple[nn.Module, list[float]]:
+    """Halve every parameter inside a writeback summon, scribble inside a discarded one, train.
+
+    FSDP1 keeps edits made under ``writeback=False`` when it does not shard (``NO_SHARD``, one
+    rank), as its docstring says; fsdp_compat discards them for every strategy.
+    """
+    model = _build(wrapper_class, strategy, **kwargs)
+    with wrapper_class.summon_full_params(model):
+        _halve_all(model)
+    if wrapper_class is not FSDP and strategy == "NO_SHARD":
+        return model, _train_losses(model)
+    with wrapper_class.summon_full_params(model, writeback=False):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(7.0)
+    return model, _train_losses(model)
+
+
+def check_values_and_writeback(strategy: str, mixed_precision: bool) -> None:
+    diff.quiet()
+    extra = {"mixed_precision": fsdp_compat.MixedPrecision(param_dtype=torch.bfloat16)} if mixed_precision else {}
+    model = _build(FSDP, strategy, **extra)
+    inside = _inside(model)
+    # Full precision values, clean names, the tied head still tied, exactly the reference's.
+    diff.assert_close_dicts(inside, _reference_params(), rtol=0, what="inside vs reference")
+    assert all(t.dtype == torch.float32 for t in inside.values())
+    with FSDP.summon_full_params(model):
+        assert model.head.weight is model.tok_emb.weight
+    for fsdp1 in _fsdp1_classes():
+        diff.assert_close_dicts(inside, _inside(_build(fsdp1, strategy, **extra), fsdp1), rtol=0,
+                                what="inside vs FSDP1")
+
+    model, losses = _edit_then_train(FSDP, strategy, **extra)
+    if mixed_precision:
+        return  # bf16 compute: training is compared with the reference in the mixed-precision tests
+    reference = diff.make_model()
+    _halve_all(reference)
+    reference_losses = diff.train(reference, diff.make_optimizer("sgd", reference.parameters()), 2,
+                                  sharded=False)
+    diff.assert_close_lists(losses, reference_losses, what="losses after edits vs reference")
+    diff.assert_close_dicts(diff.full_parameters(model), _reference_params(reference), what="params vs reference")
+    _check_fsdp1(_key("writeback", strategy), losses, lambda: _edit_then_train(diff.TorchFSDP, strategy)[1])
+
+
+@pytest.mark.parametrize("strategy", FLAT)
+@pytest.mark.parametrize("mixed_precision", [False, True])
+@distributed_test(world_size=2)
+def test_full_values_inside_writeback_keeps_edits_and_discard_drops_them(strategy, mixed_precision):
+    check_values_and_writeback(strategy, mixed_precision)
+
+
+@pytest.mark.parametrize("strategy", HYBRID)
+@distributed_test(world_size=4)
+def test_summon_with_hybrid_sharding(strategy):
+    check_values_and_writeback(strategy, mixed_precision=False)
+    # rank0_only means rank 0 of each shard group (global ranks 0 and 2), as FSDP1's ``rank``.
+    model = _build(FSDP, strategy)
+    visible = _is_full(_inside(model, rank0_only=True, writeback=False))
+    assert all(visible.values()) == (dist.get_rank() % 2 == 0), visible
+    for fsdp1 in _fsdp1_classes():
+        assert _is_full(_inside(_build(fsdp1, strategy), fsdp1, rank0_only=True, writeback=False)) == visible
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@distributed_test(world_size=2)
+def test_summon_between_forward_and_backward(strategy):
+    """Allowed by FSDP1; the pending backward still gives the reference gradients."""
+    diff.quiet()
+    for wrapper_class in [FSDP, *_fsdp1_classes()]:
+        model = _build(wrapper_class, strategy)
+        loss = diff.loss_fn(model, *diff.local_batch(0))
+        diff.assert_close_dicts(_inside(model, wrapper_class), _reference_params(), rtol=0)
+        loss.backward()
+        reference = diff.make_model()
+        diff.loss_fn(reference, *diff.synthetic_batch(0, diff.GLOBAL_BATCH, GPTConfig(), diff.device())).backward()
+        expected = {name: p.grad for name, p in reference.named_parameters()}
+        diff.assert_close_dicts(diff.full_gradients(model), expected, what=f"grads ({wrapper_class.__module__})")
+
+
+# ---------------------------------------------------------------------------------------------
+# rank0_only, offload_to_cpu, with_grads
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload_to_cpu", [False, True])
+@distributed_test(world_size=2)
+def test_rank0_only_shows_full_parameters_on_rank_0_only(offload_to_cpu):
+    diff.quiet()
+    model = _build(FSDP)
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False, offload_to_cpu=offload_to_cpu):
+        inside = dict(model.named_parameters())
+        if dist.get_rank() == 0:
+            diff.assert_close_dicts({n: p.detach() for n, p in inside.items()}, _reference_params(), rtol=0)
+            assert all(p.device.type == "cpu" for p in inside.values()) or not offload_to_cpu
+        else:
+            assert all(isinstance(p, DTensor) for p in inside.values())  # still its shards
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    if not offload_to_cpu:  # FSDP1's offload_to_cpu crashes on a CPU-only machine
+        for fsdp1 in _fsdp1_classes():
+            their_visible = _is_full(_inside(_build(fsdp1), fsdp1, rank0_only=True, writeback=False))
+            assert their_visible == _is_full(inside)
+
+
+@distributed_test(world_size=2)
+def test_offload_to_cpu_gives_full_cpu_copies_on_every_rank():
+    diff.quiet()
+    model = _build(FSDP)
+    with pytest.warns(UserWarning, match="rank0_only"):
+        with FSDP.summon_full_params(model, offload_to_cpu=True):
+            assert all(p.device.type == "cpu" and not isinstance(p, DTensor) for p in model.parameters())
+            _halve_all(model)
+    reference = diff.make_model()
+    _halve_all(reference)
+    diff.assert_close_dicts(diff.full_parameters(model), _reference_params(reference), rtol=0)
+
+
+def _grads_inside_and_edited(wrapper_class, strategy: str) -> tuple[dict, dict]:
+    """Gradients seen inside ``with_grads=True`` after one backward, and after doubling them inside."""
+    model = _build(wrapper_class, strategy)
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    with wrapper_class.summon_full_params(model, with_grads=True):
+        seen = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        with torch.no_grad():
+            for param in model.parameters():
+                param.grad.mul_(2.0)
+    return seen, diff.full_gradients(model)
+
+
+@pytest.mark.parametrize("strategy", FLAT)
+@distributed_test(world_size=2)
+def test_with_grads_shows_and_writes_back_full_gradients(strategy):
+    diff.quiet()
+    seen, after = _grads_inside_and_edited(FSDP, strategy)
+    reference = diff.make_model()
+    diff.loss_fn(reference, *diff.synthetic_batch(0, diff.GLOBAL_BATCH, GPTConfig(), diff.device())).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    diff.assert_close_dicts(seen, expected, rtol=1e-6, what="grads inside vs reference")
+    diff.assert_close_dicts(after, {n: 2 * g for n, g in expected.items()}, rtol=1e-6, what="edited grads")
+    for fsdp1 in _fsdp1_classes():
+        their_seen, their_after = _grads_inside_and_edited(fsdp1, strategy)
+        diff.assert_close_dicts(seen, their_seen, rtol=1e-6, what="grads inside vs FSDP1")
+        diff.assert_close_dicts(after, their_after, rtol=1e-6, what="edited grads vs FSDP1")
+
+
+# ---------------------------------------------------------------------------------------------
+# recurse=False, nesting, re-entry, misuse
+# ---------------------------------------------------------------------------------------------
+
+
+def _nesting_views(wrapper_class) -> dict[str, object]:
+    model = _build(wrapper_class)
+    views: dict[str, object] = {}
+    with wrapper_class.summon_full_params(model, recurse=False):
+        views["root only"] = _is_full(dict(model.named_parameters()))
+        with wrapper_class.summon_full_params(model.blocks[0]):
+            views["root and block 0"] = _is_full(dict(model.named_parameters()))
+        for name, inner in [("same module again", model), ("inner recursively", model.blocks[1])]:
+            try:
+                with wrapper_class.summon_full_params(inner, recurse=name == "same module again"):
+                    views[name] = "entered"
+            except AssertionError:
+                views[name] = "AssertionError"
+    with wrapper_class.summon_full_params(model.blocks[1], recurse=False):
+        try:
+            with wrapper_class.summon_full_params(model):  # the outer call reaches block 1 again
+                views["re-entry from outside"] = "entered"
+        except AssertionError:
+            views["re-entry from outside"] = "AssertionError"
+    views["losses after"] = _train_losses(model)
+    return views
+
+
+@distributed_test(world_size=2)
+def test_recurse_false_nesting_and_reentry_like_fsdp1():
+    diff.quiet()
+    views = _nesting_views(FSDP)
+    root_own = {"tok_emb.weight", "pos_emb.weight"}  # the root unit's own matrices
+    assert {n for n, full in views["root only"].items() if full} == root_own
+    assert {n for n, full in views["root and block 0"].items() if full} == \
+        root_own | {n for n in views["root only"] if n.startswith("blocks.0.")}
+    assert views["same module again"] == "AssertionError"
+    assert views["inner recursively"] == "entered"
+    assert views["re-entry from outside"] == "AssertionError"
+    reference = diff.make_model()
+    diff.assert_close_lists(views["losses after"],
+                            diff.train(reference, diff.make_optimizer("sgd", reference.parameters()), 2,
+                                       sharded=False))
+    for fsdp1 in _fsdp1_classes():
+        theirs = _nesting_views(fsdp1)
+        diff.assert_close_lists(views.pop("losses after"), theirs.pop("losses after"))
+        assert theirs == views
+
+
+MISUSE = {
+    "rank0_only with writeback": ({"rank0_only": True, "writeback": True}, "FULL_SHARD"),
+    "with_grads with offload_to_cpu": ({"with_grads": True, "offload_to_cpu": True}, "FULL_SHARD"),
+    "offload_to_cpu with NO_SHARD": ({"offload_to_cpu": True}, "NO_SHARD"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISUSE))
+@distributed_test(world_size=2)
+def test_combinations_fsdp1_rejects_raise_its_exception(case):
+    diff.quiet()
+    summon_kwargs, strategy = MISUSE[case]
+    for wrapper_class in [FSDP, *_fsdp1_classes()]:
+        model = _build(wrapper_class, strategy)
+        with pytest.raises(NotImplementedError):
+            with wrapper_class.summon_full_params(model, **summon_kwargs):
+                pass
+        assert not any(m.training_state.name == "SUMMON_FULL_PARAMS" for m in wrapper_class.fsdp_modules(model))
+
+
+def _summon_from_hook(wrapper_class, where: str) -> str:
+    """What summoning from inside the forward or the backward raises."""
+    model = _build(wrapper_class)
+
+    def summon(*_):
+        with wrapper_class.summon_full_params(model):
+            pass
+
+    block = model.blocks[0]
+    handle = (block.register_forward_pre_hook(summon) if where == "forward"
+              else block.register_full_backward_hook(summon))
+    try:
+        diff.loss_fn(model, *diff.local_batch(0)).backward()
+    except Exception as error:  # noqa: BLE001 - the type is what is compared
+        return type(error).__name__
+    finally:
+        handle.remove()
+    return "no error"
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@distributed_test(world_size=2)
+def test_summon_inside_forward_or_backward_raises_like_fsdp1(where):
+    diff.quiet()
+    assert _summon_from_hook(FSDP, where) == "AssertionError"
+    for fsdp1 in _fsdp1_classes():
+        assert _summon_from_hook(fsdp1, where) == "AssertionError"
+
+
+@distributed_test(world_size=2)
+def test_forward_inside_summon_raises_and_training_continues():
+    """FSDP1 runs this forward but leaves its parameters resharded inside the open context and
+    trains wrongly afterwards; fsdp_compat refuses it and stays correct."""
+    diff.quiet()
+    model = _build(FSDP)
+    with FSDP.summon_full_params(model, writeback=False):
+        with pytest.raises(AssertionError, match="summon_full_params"):
+            model(diff.local_batch(0)[0])
+    reference = diff.make_model()
+    diff.assert_close_lists(_train_losses(model),
+                            diff.train(reference, diff.make_optimizer("sgd", reference.parameters()), 2,
+                                       sharded=False))
+
+
+@distributed_test(world_size=2)
+def test_names_inside_are_clean_like_fsdp1():
+    diff.quiet()
+
+    def names(wrapper_class) -> dict[str, list[str]]:
+        model = _build(wrapper_class)
+        result = {"params outside": [n for n, _ in model.named_parameters()]}
+        with wrapper_class.summon_full_params(model):
+            result["params inside"] = [n for n, _ in model.named_parameters()]
+            result["buffers inside"] = [n for n, _ in model.named_buffers()]
+        return result
+
+    ours = names(FSDP)
+    assert ours["params inside"] == [n for n, _ in diff.make_model().named_parameters()]
+    assert all(n.startswith("_fsdp_wrapped_module.") for n in ours["params outside"])
+    for fsdp1 in _fsdp1_classes():
+        assert names(fsdp1) == ours
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU offload and ignored modules
+# ---------------------------------------------------------------------------------------------
+
+
+def _ignored_ln_f(wrapper_class, cpu_offload: bool) -> tuple[nn.Module, nn.Module]:
+    inner = diff.make_model()
+    extra = {"cpu_offload": fsdp_compat.CPUOffload(offload_params=True)} if cpu_offload else {}
+    return _build(wrapper_class, model=inner, ignored_modules=[inner.ln_f], **extra), inner
+
+
+def _halve_inside_then_train(model: nn.Module, wrapper_class) -> list[float]:
+    with wrapper_class.summon_full_params(model):
+        _halve_all(model)
+    return _train_losses(model)
+
+
+@pytest.mark.parametrize("cpu_offload", [False, True])
+@distributed_test(world_size=2)
+def test_summon_with_cpu_offload_and_ignored_modules(cpu_offload):
+    """Ignored parameters are not averaged over ranks, so training is compared with FSDP1 (or,
+    with CPU offload, which FSDP1 cannot do on a CPU-only machine, with our run without it)."""
+    diff.quiet()
+    model, inner = _ignored_ln_f(FSDP, cpu_offload)
+    ignored = inner.ln_f.weight
+    with FSDP.summon_full_params(model):
+        assert inner.ln_f.weight is ignored  # ignored parameters stay as they are
+        diff.assert_close_dicts({n: p.detach() for n, p in model.named_parameters()}, _reference_params(), rtol=0)
+    losses = _halve_inside_then_train(model, FSDP)
+    assert inner.ln_f.weight is ignored
+    if cpu_offload:
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        diff.assert_close_lists(losses, _halve_inside_then_train(_ignored_ln_f(FSDP, False)[0], FSDP))
+        return
+    _check_fsdp1(_key("ignored_ln_f"), losses,
+                 lambda: _halve_inside_then_train(_ignored_ln_f(diff.TorchFSDP, False)[0], diff.TorchFSDP))
+
+
+# ---------------------------------------------------------------------------------------------
+# apply, fsdp_modules, check_is_root
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _shape_dependent_init(module: nn.Module) -> None:
+    """Needs full parameters: each Linear weight becomes a ramp over its full shape."""
+    if isinstance(module, nn.Linear):
+        ramp = torch.arange(module.weight.numel(), dtype=module.weight.dtype, device=module.weight.device)
+        module.weight.copy_((ramp / ramp.numel() - 0.5).view_as(module.weight) * 0.1)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@distributed_test(world_size=2)
+def test_apply_runs_on_full_parameters_and_keeps_the_result(strategy):
+    diff.quiet()
+    model = _build(FSDP, strategy)
+    assert model.apply(_shape_dependent_init) is model
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    reference = diff.make_model().apply(_shape_dependent_init)
+    diff.assert_close_dicts(diff.full_parameters(model), _reference_params(reference), rtol=0)
+    losses = _train_losses(model)
+    diff.assert_close_lists(losses, diff.train(reference, diff.make_optimizer("sgd", reference.parameters()), 2,
+                                               sharded=False))
+
+    def fsdp1() -> list[float]:
+        theirs = _build(diff.TorchFSDP, strategy)
+        theirs.apply(_shape_dependent_init)
+        return _train_losses(theirs)
+    _check_fsdp1(_key("apply", strategy), losses, fsdp1)
+
+
+@distributed_test(world_size=2)
+def test_fsdp_modules_and_check_is_root_like_fsdp1():
+    diff.quiet()
+
+    def surface(wrapper_class) -> dict[str, list]:
+        model = _build(wrapper_class)
+        diff.loss_fn(model, *diff.local_batch(0)).backward()  # FSDP1 settles roots lazily
+        units = wrapper_class.fsdp_modules(model)
+        return {"units": [type(u.module).__name__.replace("FSDP", "") for u in units],
+                "roots": [type(u.module).__name__.replace("FSDP", "") for u in wrapper_class.fsdp_modules(model, root_only=True)],
+                "is root": [u.check_is_root() for u in units],
+                "module is the wrapped module": [u.module is u._fsdp_wrapped_module for u in units]}
+
+    ours = surface(FSDP)
+    assert ours["units"] == ["TinyGPT", "Block", "Block"] and ours["is root"] == [True, False, False]
+    for fsdp1 in _fsdp1_classes():
+        assert surface(fsdp1) == ours

@@ -1,0 +1,420 @@
+"""Model state dicts, saving side: settings, FULL / SHARDED / LOCAL against torch FSDP1.
+
+Differential: the same seeded TinyGPT (uneven vocabulary, tied head, persistent and non-persistent
+buffers) trained two steps under torch FSDP1 and under fsdp_compat must give state dicts with the
+same keys in the same order and the same values; where FSDP1 cannot run (CPU offload, offload_to_cpu
+on CPU), the single-process model is the reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import fsdp_compat
+from fsdp_compat import FullyShardedDataParallel as FSDP
+from fsdp_compat.testing import distributed_test
+from tests import differential as diff
+
+pytestmark = pytest.mark.skipif(not diff.HAVE_FSDP1, reason="differential tests need torch FSDP1")
+
+FULL = fsdp_compat.StateDictType.FULL_STATE_DICT
+SHARDED = fsdp_compat.StateDictType.SHARDED_STATE_DICT
+LOCAL = fsdp_compat.StateDictType.LOCAL_STATE_DICT
+STEPS = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def build(wrapper_class, strategy: str = "FULL_SHARD", auto_wrap: bool = True, use_orig_params: bool = True,
+          steps: int = STEPS, **kwargs):
+    """The seeded model wrapped by ``wrapper_class`` and trained ``steps`` SGD steps."""
+    diff.quiet()
+    model = diff.make_model()
+    kwargs["sharding_strategy"] = getattr(diff.torch_fsdp.ShardingStrategy, strategy)
+    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") and "device_mesh" not in kwargs:
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["device_mesh"] = init_device_mesh(diff.device().type, (2, dist.get_world_size() // 2))
+    if auto_wrap:
+        kwargs["auto_wrap_policy"] = diff.block_policy_torch()
+    if wrapper_class is diff.TorchFSDP:
+        kwargs.update(diff.fsdp1_kwargs())
+    wrapped = wrapper_class(model, use_orig_params=use_orig_params, **kwargs)
+    if steps:
+        diff.train(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.05), steps)
+    return wrapped
+
+
+def state_dict_of(model, state_dict_type=FULL, config=None):
+    """``model.state_dict()`` under ``state_dict_type`` (torch's enums for FSDP1, ours otherwise)."""
+    wrapper_class = type(model)
+    if wrapper_class is diff.TorchFSDP:
+        state_dict_type = getattr(diff.torch_fsdp.StateDictType, state_dict_type.name)
+    with wrapper_class.state_dict_type(model, state_dict_type, config):
+        return model.state_dict()
+
+
+def full_value(value: torch.Tensor) -> torch.Tensor:
+    """A state-dict value as a full tensor (ShardedTensor / DTensor gathered on every rank)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if type(value).__name__ == "ShardedTensor":
+        full = torch.zeros(value.size(), dtype=value.dtype) if dist.get_rank() == 0 else None
+        value.gather(0, full)
+        dist.broadcast_object_list(box := [full], src=0)
+        return box[0]
+    return value
+
+
+def assert_same_state_dict(ours: dict, theirs: dict, what: str, exact: bool = False) -> None:
+    """Same keys in the same order, same value kinds, dtypes, shapes and values."""
+    assert list(ours) == list(theirs), f"{what}: keys/order differ\nours  {list(ours)}\ntheirs {list(theirs)}"
+    for key in theirs:
+        a, b = ours[key], theirs[key]
+        assert isinstance(a, torch.Tensor) == isinstance(b, torch.Tensor), f"{what} {key}: kinds differ"
+        # Plain tensors where FSDP1 has them (its sharded kind is ShardedTensor, ours DTensor).
+        assert (type(a) is torch.Tensor) == (type(b) is torch.Tensor), f"{what} {key}: {type(a)} vs {type(b)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{what} {key}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        a, b = full_value(a), full_value(b)
+        if exact:
+            assert torch.equal(a, b), f"{what} {key}: values differ"
+        else:
+            assert diff.relative_error(a, b) <= 1e-5, f"{what} {key}: values differ"
+
+
+def plain_reference(steps: int = STEPS) -> nn.Module:
+    """The single-process model trained like the wrapped ones (whole batch, same steps)."""
+    model = diff.make_model()
+    diff.train(model, torch.optim.SGD(model.parameters(), lr=0.05), steps, sharded=False)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+# ---------------------------------------------------------------------------------------------
+
+
+def check_settings(wrapper_class) -> dict:
+    """What ``set/get_state_dict_type`` do, as comparable plain data."""
+    fsdp_api = diff.torch_fsdp if wrapper_class is diff.TorchFSDP else fsdp_compat
+    model = build(wrapper_class, steps=0)
+    seen = {"default": repr(wrapper_class.get_state_dict_type(model))}
+    previous = wrapper_class.set_state_dict_type(model, fsdp_api.StateDictType.SHARDED_STATE_DICT)
+    seen["previous"] = repr(previous)
+    seen["now"] = repr(wrapper_class.get_state_dict_type(model))
+    with wrapper_class.state_dict_type(model, fsdp_api.StateDictType.FULL_STATE_DICT,
+                                       fsdp_api.FullStateDictConfig(rank0_only=True)):
+        seen["inside"] = repr(wrapper_class.get_state_dict_type(model))
+    seen["restored"] = repr(wrapper_class.get_state_dict_type(model))
+    for name, config in (("wrong_config", fsdp_api.FullStateDictConfig()),
+                         ("wrong_optim_config", fsdp_api.FullOptimStateDictConfig())):
+        try:
+            kwargs = {"state_dict_config" if name == "wrong_config" else "optim_state_dict_config": config}
+            wrapper_class.set_state_dict_type(model, fsdp_api.StateDictType.SHARDED_STATE_DICT, **kwargs)
+            seen[name] = "no error"
+        except Exception as error:  # noqa: BLE001 - the type is what we compare
+            seen[name] = type(error).__name__
+    seen["plain_get"] = repr(wrapper_class.get_state_dict_type(nn.Linear(2, 2)))
+    seen["plain_set"] = repr(wrapper_class.set_state_dict_type(nn.Linear(2, 2), fsdp_api.StateDictType.FULL_STATE_DICT))
+    wrapper_class.set_state_dict_type(model.blocks[0], fsdp_api.StateDictType.SHARDED_STATE_DICT)
+    try:
+        wrapper_class.get_state_dict_type(model)
+        seen["disagree"] = "no error"
+    except Exception as error:  # noqa: BLE001
+        seen["disagree"] = type(error).__name__
+    return seen
+
+
+@distributed_test(world_size=2)
+def test_state_dict_settings_match_fsdp1():
+    ours, theirs = check_settings(FSDP), check_settings(diff.TorchFSDP)
+    # Reprs name the classes' modules; what must match is everything else.
+    assert {k: v.replace("torch.distributed.fsdp.api.", "") for k, v in theirs.items()} == ours
+    # torch's config objects are accepted as ours.
+    model = build(FSDP, steps=0)
+    FSDP.set_state_dict_type(model, diff.torch_fsdp.StateDictType.SHARDED_STATE_DICT,
+                             diff.torch_fsdp.ShardedStateDictConfig(offload_to_cpu=True))
+    settings = FSDP.get_state_dict_type(model)
+    assert settings.state_dict_type == SHARDED
+    assert settings.state_dict_config == fsdp_compat.ShardedStateDictConfig(offload_to_cpu=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# FULL
+# ---------------------------------------------------------------------------------------------
+
+FLAT_VARIANTS = list(itertools.product(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], [True, False], [True, False]))
+
+
+@pytest.mark.parametrize("strategy,auto_wrap,use_orig_params", FLAT_VARIANTS)
+@distributed_test(world_size=2)
+def test_full_state_dict_matches_fsdp1(strategy, auto_wrap, use_orig_params):
+    ours = build(FSDP, strategy, auto_wrap, use_orig_params)
+    theirs = build(diff.TorchFSDP, strategy, auto_wrap, use_orig_params)
+    ours_sd, theirs_sd = state_dict_of(ours), state_dict_of(theirs)
+    assert_same_state_dict(ours_sd, theirs_sd, "FULL")
+    # Keys are the unwrapped model's, in its order; values plain tensors equal to the model's.
+    assert list(ours_sd) == list(diff.make_model().state_dict())
+    assert all(type(v) is torch.Tensor for v in ours_sd.values())
+    expected = diff.model_state(ours)  # (lists a tied weight once, non-persistent buffers too)
+    for key, value in ours_sd.items():
+        assert torch.equal(value, expected.get(key, expected["tok_emb.weight"])), key
+    assert torch.equal(ours_sd["head.weight"], ours_sd["tok_emb.weight"])
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+@distributed_test(world_size=4)
+def test_full_state_dict_matches_fsdp1_world_4(strategy):
+    ours, theirs = build(FSDP, strategy), build(diff.TorchFSDP, strategy)
+    assert_same_state_dict(state_dict_of(ours), state_dict_of(theirs), "FULL")
+    config = fsdp_compat.FullStateDictConfig(rank0_only=True)
+    ours_sd = state_dict_of(ours, FULL, config)
+    theirs_sd = state_dict_of(theirs, FULL, diff.torch_fsdp.FullStateDictConfig(rank0_only=True))
+    assert list(ours_sd) == list(theirs_sd)
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@distributed_test(world_size=2)
+def test_full_rank0_only_and_ignored_modules_match_fsdp1(use_orig_params):
+    # rank0_only: rank 0 has everything, other ranks what FSDP1 gives them (nothing here).
+    ours = build(FSDP, use_orig_params=use_orig_params)
+    theirs = build(diff.TorchFSDP, use_orig_params=use_orig_params)
+    ours_sd = state_dict_of(ours, FULL, fsdp_compat.FullStateDictConfig(rank0_only=True))
+    theirs_sd = state_dict_of(theirs, FULL, diff.torch_fsdp.FullStateDictConfig(rank0_only=True))
+    assert_same_state_dict(ours_sd, theirs_sd, "FULL rank0_only")
+    assert bool(ours_sd) == (dist.get_rank() == 0)
+
+    # Ignored modules: their parameters and buffers are in the state dict; under rank0_only,
+    # FSDP1 gives other ranks their parameters (only).
+    def with_ignored(wrapper_class):
+        model = diff.make_model()
+        kwargs = diff.fsdp1_kwargs() if wrapper_class is diff.TorchFSDP else {}
+        return wrapper_class(model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=use_orig_params,
+                             ignored_modules=[model.ln_f, model.blocks[1].mlp], **kwargs)
+
+    ours, theirs = with_ignored(FSDP), with_ignored(diff.TorchFSDP)
+    assert_same_state_dict(state_dict_of(ours), state_dict_of(theirs), "FULL ignored", exact=True)
+    ours_sd = state_dict_of(ours, FULL, fsdp_compat.FullStateDictConfig(rank0_only=True))
+    theirs_sd = state_dict_of(theirs, FULL, diff.torch_fsdp.FullStateDictConfig(rank0_only=True))
+    assert_same_state_dict(ours_sd, theirs_sd, "FULL ignored rank0_only", exact=True)
+    if dist.get_rank() != 0:
+        assert ours_sd and all(k.startswith(("ln_f.", "blocks.1.mlp.")) for k in ours_sd)
+
+
+@distributed_test(world_size=2)
+def test_full_offload_to_cpu_and_cpu_offload_params():
+    # FSDP1 fails on a CPU-only machine with either option; the plain model is the reference.
+    reference = plain_reference().state_dict()
+    for kwargs in ({}, {"cpu_offload": fsdp_compat.CPUOffload(offload_params=True)}):
+        model = build(FSDP, **kwargs)
+        for config in (fsdp_compat.FullStateDictConfig(offload_to_cpu=True),
+                       fsdp_compat.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+            sd = state_dict_of(model, FULL, config)
+            if config.rank0_only and dist.get_rank() != 0:
+                assert sd == {}
+                continue
+            assert list(sd) == list(reference)
+            for key, value in sd.items():
+                assert value.device.type == "cpu"
+                assert diff.relative_error(value, reference[key]) <= 1e-5, key
+
+
+@distributed_test(world_size=2)
+def test_full_state_dict_mixed_precision_keeps_original_dtypes():
+    """Parameters in full precision (the sharded masters), buffers in their original dtype,
+    even after a no-grad forward left the root's low-precision parameters unsharded."""
+    policy = dict(param_dtype=torch.float16, buffer_dtype=torch.float16)
+    ours = build(FSDP, mixed_precision=fsdp_compat.MixedPrecision(**policy))
+    theirs = build(diff.TorchFSDP, mixed_precision=diff.torch_fsdp.MixedPrecision(**policy))
+    for model in (ours, theirs):
+        with torch.no_grad():
+            model(diff.local_batch(0)[0])
+    assert ours.logit_scale.dtype == torch.float16  # the live buffer is in buffer_dtype
+    for state_dict_type in (FULL, SHARDED):
+        ours_sd, theirs_sd = state_dict_of(ours, state_dict_type), state_dict_of(theirs, state_dict_type)
+        assert ours_sd["logit_scale"].dtype == torch.float32
+        assert_same_state_dict(ours_sd, theirs_sd, f"{state_dict_type.name} mixed precision")
+
+
+@distributed_test(world_size=2)
+def test_state_dict_values_are_copies():
+    model = build(FSDP)
+    before = diff.model_state(model)
+    for state_dict_type in (FULL, SHARDED, LOCAL):
+        for value in state_dict_of(model, state_dict_type).values():
+            (value.to_local() if isinstance(value, DTensor) else value).add_(1.0)
+    after = diff.model_state(model)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+# ---------------------------------------------------------------------------------------------
+# SHARDED and LOCAL
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy,auto_wrap,use_orig_params", FLAT_VARIANTS)
+@distributed_test(world_size=2)
+def test_sharded_state_dict_matches_fsdp1(strategy, auto_wrap, use_orig_params):
+    ours = build(FSDP, strategy, auto_wrap, use_orig_params)
+    theirs = build(diff.TorchFSDP, strategy, auto_wrap, use_orig_params)
+    ours_sd, theirs_sd = state_dict_of(ours, SHARDED), state_dict_of(theirs, SHARDED)
+    assert_same_state_dict(ours_sd, theirs_sd, "SHARDED")
+    for key, value in ours_sd.items():
+        theirs_value = theirs_sd[key]
+        if strategy == "NO_SHARD" or "logit_scale" in key:  # full tensors, as FSDP1
+            assert type(value) is torch.Tensor, key
+            continue
+        # DTensor over the model's mesh, with FSDP1's torch.chunk pieces: same local shards.
+        assert isinstance(value, DTensor), key
+        assert type(theirs_value).__name__ == "ShardedTensor"
+        theirs_local = theirs_value.local_shards()[0].tensor if theirs_value.local_shards() else None
+        if theirs_local is not None:
+            assert diff.relative_error(value.to_local(), theirs_local) <= 1e-5, key
+        else:
+            assert value.to_local().numel() == 0, key
+
+
+@distributed_test(world_size=4)
+def test_sharded_state_dict_world_4_hybrid():
+    ours, theirs = build(FSDP, "HYBRID_SHARD"), build(diff.TorchFSDP, "HYBRID_SHARD")
+    ours_sd, theirs_sd = state_dict_of(ours, SHARDED), state_dict_of(theirs, SHARDED)
+    assert_same_state_dict(ours_sd, theirs_sd, "SHARDED hybrid")
+    assert isinstance(ours_sd["tok_emb.weight"], DTensor)
+    assert ours_sd["tok_emb.weight"].device_mesh.ndim == 2
+    # Both load back into a differently trained hybrid model (FSDP1's over its own mesh).
+    expected = state_dict_of(ours, FULL)
+    for incoming in (ours_sd, theirs_sd):
+        model = build(FSDP, "HYBRID_SHARD", steps=STEPS + 2)
+        with FSDP.state_dict_type(model, SHARDED):
+            model.load_state_dict(incoming)
+        after = state_dict_of(model, FULL)
+        for key in expected:
+            assert diff.relative_error(after[key], expected[key]) <= 1e-5, key
+
+
+@distributed_test(world_size=2)
+def test_activation_checkpoint_wrappers_leave_keys_clean():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from fsdp_compat.examples import Block
+
+    def checkpointed(wrapper_class):
+        model = build(wrapper_class, steps=0)
+        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
+        diff.train(model, torch.optim.SGD(model.parameters(), lr=0.05), STEPS)
+        return model
+
+    ours, theirs = checkpointed(FSDP), checkpointed(diff.TorchFSDP)
+    assert any("_checkpoint_wrapped_module" in name for name, _ in ours.named_parameters())
+    for state_dict_type in (FULL, SHARDED):
+        ours_sd = state_dict_of(ours, state_dict_type)
+        assert_same_state_dict(ours_sd, state_dict_of(theirs, state_dict_type), f"{state_dict_type.name} checkpointed")
+        with FSDP.state_dict_type(ours, state_dict_type):
+            assert ours.load_state_dict(ours_sd) == nn.modules.module._IncompatibleKeys([], [])
+
+
+@distributed_test(world_size=2)
+def test_sharded_offload_to_cpu():
+    model = build(FSDP, cpu_offload=fsdp_compat.CPUOffload(offload_params=True))
+    reference = plain_reference().state_dict()
+    sd = state_dict_of(model, SHARDED, fsdp_compat.ShardedStateDictConfig(offload_to_cpu=True))
+    assert list(sd) == list(reference)
+    for key, value in sd.items():
+        assert (value.to_local() if isinstance(value, DTensor) else value).device.type == "cpu"
+        assert diff.relative_error(full_value(value), reference[key]) <= 1e-5, key
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@distributed_test(world_size=2)
+def test_local_state_dict_format_and_round_trip(strategy):
+    """LOCAL: every key of the unwrapped model; a parameter's value is this rank's dim-0
+    ``torch.chunk`` piece of it (plain tensor, possibly empty; the whole tensor under NO_SHARD)."""
+    model = build(FSDP, strategy)
+    full = state_dict_of(model, FULL)
+    local = state_dict_of(model, LOCAL)
+    assert list(local) == list(full)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for key, value in local.items():
+        assert type(value) is torch.Tensor, key
+        if value.dim() == 0 or key == "logit_scale" or strategy == "NO_SHARD":
+            assert torch.equal(value, full[key]), key
+            continue
+        pieces = torch.chunk(full[key], world)
+        expected = pieces[rank] if rank < len(pieces) else full[key][:0]
+        assert torch.equal(value, expected), key
+    # Round trip at the same world size into a differently trained model.
+    other = build(FSDP, strategy, steps=STEPS + 2)
+    with FSDP.state_dict_type(other, LOCAL):
+        assert other.load_state_dict(local) == nn.modules.module._IncompatibleKeys([], [])
+    after = state_dict_of(other, FULL)
+    for key in full:
+        assert torch.equal(after[key], full[key]), key
+
+
+# ---------------------------------------------------------------------------------------------
+# state_dict() at odd moments and in odd places, as FSDP1
+# ---------------------------------------------------------------------------------------------
+
+
+def summoned_state_dicts(wrapper_class):
+    """FULL and SHARDED state dicts taken inside summon_full_params after editing a weight."""
+    model = build(wrapper_class, use_orig_params=True)
+    with wrapper_class.summon_full_params(model):
+        with torch.no_grad():
+            model.tok_emb.weight.add_(1.0)
+        full = state_dict_of(model, FULL)
+        sharded = {k: full_value(v) for k, v in state_dict_of(model, SHARDED).items()}
+    return full, sharded
+
+
+@distributed_test(world_size=2)
+def test_state_dict_inside_summon_full_params_matches_fsdp1():
+    ours, theirs = summoned_state_dicts(FSDP), summoned_state_dicts(diff.TorchFSDP)
+    for ours_sd, theirs_sd in zip(ours, theirs):
+        assert list(ours_sd) == list(theirs_sd)
+        for key in theirs_sd:
+            assert diff.relative_error(ours_sd[key], theirs_sd[key]) <= 1e-5, key
+
+
+def state_dict_during_forward(wrapper_class) -> str:
+    model = build(wrapper_class, steps=0)
+    seen = {}
+
+    def hook(module, inputs, output):
+        try:
+            model.state_dict()
+            seen["error"] = "no error"
+        except Exception as error:  # noqa: BLE001 - the type is what we compare
+            seen["error"] = type(error).__name__
+
+    model.blocks[1].register_forward_hook(hook)
+    model(diff.local_batch(0)[0]).sum().backward()
+    return seen["error"]
+
+
+@distributed_test(world_size=2)
+def test_state_dict_during_forward_raises_as_fsdp1():
+    assert state_dict_during_forward(FSDP) == state_dict_during_forward(diff.TorchFSDP) == "AssertionError"
+    model = build(FSDP)  # and the model is usable afterwards
+    diff.train(model, torch.optim.SGD(model.parameters(), lr=0.05), 1)
+
+
+@distributed_test(world_size=2)
+def test_non_root_prefix_and_nested_in_plain_module():
+    # (FSDP1 cannot be used as a root after a non-root state_dict(): a fresh model each time.)
+    ours, theirs = build(FSDP, steps=0), build(diff.TorchFSDP, steps=0)
+    assert_same_state_dict(ours.blocks[0].state_dict(), theirs.blocks[0].state_dict(), "non-root", exact=True)
+    theirs = build(diff.TorchFSDP, steps=0)
+    assert_same_state_dict(ours.state_dict(prefix="model."), theirs.state_dict(prefix="model."), "prefix", exact=True)
+    outer_ours, outer_theirs = nn.Sequential(build(FSDP, steps=0)), nn.Sequential(build(diff.TorchFSDP, steps=0))
+    assert_same_state_dict(outer_ours.state_dict(), outer_theirs.state_dict(), "nested", exact=True)
+    assert list(outer_ours.state_dict())[1] == "0.tok_emb.weight"
