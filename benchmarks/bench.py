@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: CPU cores / nproc, at least 1)")
+    parser.add_argument("--start-method", choices=("fork", "spawn"), default=None,
+                        help="how ranks are started (default: fork on Linux CPU runs, spawn otherwise)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run is abandoned")
     parser.add_argument("--json", metavar="PATH", help="write every run, the medians and the ratios as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (needs matplotlib)")
@@ -143,13 +145,18 @@ def plan_runs(args: argparse.Namespace, engines: list[str], backend: str, mesh: 
     return runs
 
 
-def launch(spec: RunSpec, profile_dir: str) -> dict[str, Any]:
+def start_method(requested: str | None, backend: str) -> str:
+    """fork is cheap (torch is already imported) and safe here: this process never starts
+    threads, CUDA or a process group. CUDA ranks need spawn, and so do platforms without fork."""
+    if requested:
+        return requested
+    return "fork" if backend != "nccl" and sys.platform.startswith("linux") else "spawn"
+
+
+def launch(spec: RunSpec, profile_dir: str, method: str) -> dict[str, Any]:
     """Run one configuration on fresh ranks; returns the merged run (never raises)."""
     run_dir = tempfile.mkdtemp(prefix="fsdp_compat_bench_")
     spec = replace(spec, run_dir=run_dir)
-    # fork is cheap (torch is already imported) and safe: this process never starts threads,
-    # CUDA or a process group. CUDA ranks need spawn.
-    method = "spawn" if spec.backend == "nccl" else "fork"
     failure = None
     started = time.monotonic()
     context = mp.start_processes(run_rank, args=(spec,), nprocs=spec.world_size, join=False,
@@ -234,10 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     backend = choose_backend(args.backend, args.nproc)
     mesh = hybrid_mesh(args.nproc, args.hybrid_mesh)
     runs = plan_runs(args, engines, backend, mesh)
+    method = start_method(args.start_method, backend)
     meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
             "world_size": args.nproc, "backend": backend, "hybrid_mesh": list(mesh),
             "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
-            "engines": engines, "quick": args.quick, **machine_info(),
+            "engines": engines, "quick": args.quick, "start_method": method,
+            "optimizer": f"AdamW(lr=1e-4, foreach={True if args.foreach else None})",
+            "malloc": "glibc default" if args.default_malloc else "fixed 128 KiB mmap threshold",
+            **machine_info(),
             "models": {name: vars((QUICK_MODELS if args.quick else MODELS)[name].config)
                        | {"batch_per_rank": (QUICK_MODELS if args.quick else MODELS)[name].batch_per_rank}
                        for name in _split(args.models, list(MODELS), "models")}}
@@ -246,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results = []
     for index, spec in enumerate(runs, 1):
-        results.append(launch(spec, args.profile_dir))
+        results.append(launch(spec, args.profile_dir, method))
         print(_progress(index, len(runs), results[-1]), flush=True)
     meta["wall_s"] = round(time.monotonic() - started, 1)
     if hasattr(os, "getloadavg"):

@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -78,8 +76,8 @@ def test_quick_run(tmp_path: Path) -> None:
             assert 0.9 < summary[strategy][engine]["comm_vs_min"] < 1.1, (strategy, engine)
 
 
-@pytest.mark.parametrize("argument", ["--models=huge", "--strategies=FOO", "--engines=ddp"])
-def test_bad_arguments_fail_fast(argument: str) -> None:
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench.py"), "--quick", argument],
+def test_bad_arguments_fail_fast() -> None:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench.py"), "--quick", "--strategies=FOO"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "choose from" in (done.stdout + done.stderr)
+    assert "runs:" not in done.stdout  # refused before launching anything

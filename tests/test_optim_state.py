@@ -4,9 +4,10 @@ Each format test builds the same seeded TinyGPT (uneven vocabulary, tied head) u
 and under fsdp_compat, trains both 2 steps with the same optimizer, and compares what every API
 returns on every rank: the key type and order of ``state``, the state names and their order,
 tensor vs scalar values (shape, dtype, device, Adam's ``step``), the ``param_groups``, and what
-ranks other than 0 receive. Values are compared too (both engines train the same model). The
+ranks other than 0 receive. Values are compared with a single-process run of the same model and
+optimizer (FSDP1's own FULL values are corrupt on CPU with ``use_orig_params=True``). The
 descriptions are kept in ``tests/golden/optim_state_formats.json`` so the tests keep their
-meaning once torch no longer ships FSDP1.
+meaning once torch no longer ships FSDP1 (``FSDP_COMPAT_WITHOUT_FSDP1=1`` runs them that way).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def build(wrapper_class: type, setup: Setup, group: Any = None) -> tuple[nn.Modu
 
 @torch.no_grad()
 def load_full_params(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full parameter values into ``model``'s shards (test stand-in for a model checkpoint)."""
+    """Copy full parameter values into ``model`` (its shards when wrapped)."""
     for name, param in model.named_parameters():
         value = full[clean_name(name)]
         if isinstance(param, DTensor):
