@@ -204,3 +204,24 @@ def save_golden(name: str, value: Any) -> None:
         return
     GOLDEN_DIR.mkdir(exist_ok=True)
     golden_path(name).write_text(json.dumps(value, indent=1, sort_keys=True))
+
+
+def golden_key(*parts: object) -> str:
+    """A golden-file key for this world size and test configuration."""
+    return "-".join(str(p) for p in (f"ws{dist.get_world_size()}", *parts))
+
+
+def check_against_fsdp1(golden_name: str, key: str, ours: list[float],
+                        run_fsdp1: Callable[[], list[float]], rtol: float = 1e-5) -> None:
+    """``ours`` equals torch FSDP1's values: run FSDP1 now, or use its golden values without it.
+
+    With FSDP1 present the fresh values are also written to the golden file (when
+    ``FSDP_COMPAT_WRITE_GOLDEN=1``), so the test keeps meaning something once torch drops FSDP1.
+    """
+    golden = load_golden(golden_name) or {}
+    if HAVE_FSDP1:
+        golden[key] = run_fsdp1()
+        save_golden(golden_name, golden)
+    assert key in golden, f"no FSDP1 result or golden value for {key} in {golden_name}"
+    assert_close_lists(ours, golden[key], rtol=rtol, what=f"{key} vs torch FSDP1")
+

@@ -56,15 +56,6 @@ def _reference_clip(norm_type: float) -> tuple[torch.Tensor, dict[str, torch.Ten
     return total, {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
 
 
-def _check_fsdp1(key: str, ours: list[float], run_fsdp1, rtol: float = 1e-6) -> None:
-    golden = diff.load_golden(GOLDEN) or {}
-    if diff.HAVE_FSDP1:
-        golden[key] = run_fsdp1()
-        diff.save_golden(GOLDEN, golden)
-    assert key in golden, f"no FSDP1 result or golden value for {key}"
-    diff.assert_close_lists(ours, golden[key], rtol=rtol, what=f"{key} vs torch FSDP1")
-
-
 def check_against_reference_and_fsdp1(strategy: str, norm_type: float, **kwargs) -> None:
     diff.quiet()
     total, grads = _clip_after_backward(_build(FSDP, strategy, **kwargs), diff.local_batch(0), norm_type)
@@ -79,7 +70,7 @@ def check_against_reference_and_fsdp1(strategy: str, norm_type: float, **kwargs)
         diff.assert_close_dicts(grads, their_grads, rtol=1e-6, what="clipped grads vs FSDP1")
         return [their_total.item()]
     if not kwargs:  # FSDP1 cannot offload parameters on a CPU-only machine
-        _check_fsdp1(f"ws{dist.get_world_size()}-{strategy}-{norm_type}", [total.item()], fsdp1)
+        diff.check_against_fsdp1(GOLDEN, diff.golden_key(strategy, norm_type), [total.item()], fsdp1, rtol=1e-6)
 
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf]
@@ -141,7 +132,8 @@ def test_ignored_parameters_and_empty_shards_are_counted_once(norm_type):
     expected_total, expected_grads = _skinny_clip(None, norm_type)
     torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0)
     diff.assert_close_dicts(grads, expected_grads, rtol=1e-6)
-    _check_fsdp1(f"skinny-{norm_type}", [total.item()], lambda: [_skinny_clip(diff.TorchFSDP, norm_type)[0].item()])
+    diff.check_against_fsdp1(GOLDEN, f"skinny-{norm_type}", [total.item()],
+                             lambda: [_skinny_clip(diff.TorchFSDP, norm_type)[0].item()], rtol=1e-6)
 
 
 def _dtypes(wrapper_class) -> dict[str, str]:

@@ -82,20 +82,6 @@ def _train_losses(model: nn.Module, steps: int = 2) -> list[float]:
     return diff.train(model, diff.make_optimizer("sgd", model.parameters()), steps)
 
 
-def _check_fsdp1(key: str, ours: list[float], run_fsdp1, rtol: float = 1e-5) -> None:
-    """``ours`` equals FSDP1's values (run now, or its golden values when torch lacks FSDP1)."""
-    golden = diff.load_golden(GOLDEN) or {}
-    if diff.HAVE_FSDP1:
-        golden[key] = run_fsdp1()
-        diff.save_golden(GOLDEN, golden)
-    assert key in golden, f"no FSDP1 result or golden value for {key}"
-    diff.assert_close_lists(ours, golden[key], rtol=rtol, what=f"{key} vs torch FSDP1")
-
-
-def _key(*parts: object) -> str:
-    return "-".join(str(p) for p in (f"ws{dist.get_world_size()}", *parts))
-
-
 # ---------------------------------------------------------------------------------------------
 # Values, writeback, discard
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +128,7 @@ def check_values_and_writeback(strategy: str, mixed_precision: bool) -> None:
                                   sharded=False)
     diff.assert_close_lists(losses, reference_losses, what="losses after edits vs reference")
     diff.assert_close_dicts(diff.full_parameters(model), _reference_params(reference), what="params vs reference")
-    _check_fsdp1(_key("writeback", strategy), losses, lambda: _edit_then_train(diff.TorchFSDP, strategy)[1])
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("writeback", strategy), losses, lambda: _edit_then_train(diff.TorchFSDP, strategy)[1])
 
 
 @pytest.mark.parametrize("strategy", FLAT)
@@ -411,7 +397,7 @@ def test_summon_with_cpu_offload_and_ignored_modules(cpu_offload):
         assert all(p.device.type == "cpu" for p in model.parameters())
         diff.assert_close_lists(losses, _halve_inside_then_train(_ignored_ln_f(FSDP, False)[0], FSDP))
         return
-    _check_fsdp1(_key("ignored_ln_f"), losses,
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("ignored_ln_f"), losses,
                  lambda: _halve_inside_then_train(_ignored_ln_f(diff.TorchFSDP, False)[0], diff.TorchFSDP))
 
 
@@ -445,7 +431,7 @@ def test_apply_runs_on_full_parameters_and_keeps_the_result(strategy):
         theirs = _build(diff.TorchFSDP, strategy)
         theirs.apply(_shape_dependent_init)
         return _train_losses(theirs)
-    _check_fsdp1(_key("apply", strategy), losses, fsdp1)
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("apply", strategy), losses, fsdp1)
 
 
 @distributed_test(world_size=2)

@@ -50,20 +50,6 @@ def _build(wrapper_class, strategy: str = "FULL_SHARD", **kwargs) -> nn.Module:
                          **(diff.fsdp1_kwargs() if is_fsdp1 else {}), **kwargs)
 
 
-def _check_fsdp1(key: str, ours: list[float], run_fsdp1: Callable[[], list[float]], rtol: float = 1e-5) -> None:
-    """``ours`` equals FSDP1's values (run now, or its golden values when torch lacks FSDP1)."""
-    golden = diff.load_golden(GOLDEN) or {}
-    if diff.HAVE_FSDP1:
-        golden[key] = run_fsdp1()
-        diff.save_golden(GOLDEN, golden)
-    assert key in golden, f"no FSDP1 result or golden value for {key}"
-    diff.assert_close_lists(ours, golden[key], rtol=rtol, what=f"{key} vs torch FSDP1")
-
-
-def _key(*parts: object) -> str:
-    return "-".join(str(p) for p in (f"ws{dist.get_world_size()}", *parts))
-
-
 def _gradient_collectives(comm: CommDebugMode) -> int:
     """How many reduce-scatters / all-reduces (gradient reductions) ``comm`` saw."""
     return sum(count for op, count in comm.get_comm_counts().items() if "reduce" in str(op))
@@ -144,7 +130,7 @@ def check_no_sync(strategy: str, cpu_offload: bool) -> None:
             their_losses, their_reductions = _accumulate(theirs, 2, MICRO_BATCHES, _all_but_last_unsynced)
             assert their_reductions == reductions, (their_reductions, reductions)
             return their_losses
-        _check_fsdp1(_key("no_sync", strategy), losses, fsdp1)
+        diff.check_against_fsdp1(GOLDEN, diff.golden_key("no_sync", strategy), losses, fsdp1)
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
@@ -192,7 +178,7 @@ def test_nested_no_sync_keeps_syncing_off_until_the_outermost_exit():
     reference_losses, reference_params = _reference_accumulation(1, 4)
     diff.assert_close_lists(losses, reference_losses, rtol=1e-6)
     diff.assert_close_dicts(diff.full_parameters(model), reference_params, rtol=1e-6)
-    _check_fsdp1(_key("nested_no_sync"), losses, lambda: _nested_no_sync_step(_build(diff.TorchFSDP))[0])
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("nested_no_sync"), losses, lambda: _nested_no_sync_step(_build(diff.TorchFSDP))[0])
 
 
 @distributed_test(world_size=2)
@@ -259,7 +245,7 @@ def test_torch_default_hooks_train_like_fsdp1(strategy, hook_name):
     reference_losses, _ = diff.reference_run("adamw", 3)
     compressed = "compress" in hook_name  # 16-bit gradients: close to the reference, not equal
     diff.assert_close_lists(losses, reference_losses, rtol=1e-3 if compressed else 1e-5, what="vs reference")
-    _check_fsdp1(_key("hook", strategy, hook_name), losses,
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("hook", strategy, hook_name), losses,
                  lambda: _train_with_hook(diff.TorchFSDP, strategy, hook_name))
 
 
@@ -386,7 +372,7 @@ def test_forward_prefetch_gathers_the_next_unit_early_and_keeps_results():
     reference_losses, _ = diff.reference_run("adamw", 3)
     for losses, _ in runs.values():
         diff.assert_close_lists(losses, reference_losses)
-    _check_fsdp1(_key("forward_prefetch"), runs[True][0],
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("forward_prefetch"), runs[True][0],
                  lambda: diff.train(m := _build(diff.TorchFSDP, forward_prefetch=True),
                                     diff.make_optimizer("adamw", m.parameters()), 3))
 

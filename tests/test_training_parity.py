@@ -24,10 +24,6 @@ HYBRID_STRATEGIES = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 VARIANTS = list(itertools.product([True, False], [True, False], ["sgd", "adamw"]))  # wrap, orig, optim
 
 
-def _config_name(strategy: str, auto_wrap: bool, use_orig_params: bool, optimizer: str) -> str:
-    return f"ws{dist.get_world_size()}-{strategy}-wrap{int(auto_wrap)}-orig{int(use_orig_params)}-{optimizer}"
-
-
 def _hybrid_mesh_kwargs() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -57,15 +53,11 @@ def check_parity(strategy: str, auto_wrap: bool, use_orig_params: bool, optimize
     diff.assert_close_lists(ours_losses, reference_losses, what="losses vs reference")
     diff.assert_close_dicts(ours_params, reference_params, what="params vs reference")
 
-    name = _config_name(strategy, auto_wrap, use_orig_params, optimizer_name)
-    golden = diff.load_golden("training_parity") or {}
-    if diff.HAVE_FSDP1:
-        fsdp1_losses, _ = _run(diff.TorchFSDP, strategy, auto_wrap, use_orig_params, optimizer_name,
-                               {**extra, **diff.fsdp1_kwargs()})
-        golden[name] = fsdp1_losses
-        diff.save_golden("training_parity", golden)
-    assert name in golden, f"no FSDP1 result or golden value for {name}"
-    diff.assert_close_lists(ours_losses, golden[name], what="losses vs torch FSDP1")
+    key = diff.golden_key(strategy, f"wrap{int(auto_wrap)}", f"orig{int(use_orig_params)}", optimizer_name)
+    diff.check_against_fsdp1(
+        "training_parity", key, ours_losses,
+        lambda: _run(diff.TorchFSDP, strategy, auto_wrap, use_orig_params, optimizer_name,
+                     {**extra, **diff.fsdp1_kwargs()})[0])
 
 
 @pytest.mark.parametrize("strategy", FLAT_STRATEGIES)
