@@ -45,7 +45,8 @@ from .api import (
 )
 from .wrap import apply_wrapping, plan_wrapping
 
-__all__ = ["FullyShardedDataParallel"]
+# OptimStateKeyType is re-exported: FSDP1 users import it from this module too.
+__all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
 # reshard_after_forward per strategy; ``None`` lets the engine keep the root unsharded after
 # forward (it is needed again at once in backward), as FSDP1 does for its root.

@@ -7,7 +7,6 @@ ranks, all three must agree step by step.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import warnings

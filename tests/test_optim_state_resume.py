@@ -329,7 +329,6 @@ def fsdp1_run(path: str, directory: str) -> dict[str, Any]:
 
 def fsdp1_checkpoint(path: str, directory: str) -> dict[str, Any]:
     """An FSDP1 checkpoint in ``directory`` and FSDP1's own run, live or from the golden copy."""
-    golden = GOLDEN_DCP if path == "osd_sharded_dcp" else GOLDEN_FULL.parent
     if diff.HAVE_FSDP1:
         run = fsdp1_run(path, directory)
         if _writing_golden() and dist.get_rank() == 0:
