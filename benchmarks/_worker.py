@@ -223,10 +223,14 @@ def _measure(rank: int, spec: RunSpec, device: torch.device, record: Record) -> 
     model = build_meta_model(spec.model_spec)
     record.data["param_count"] = parameter_count(model)
     memory.reset()
-    with record.guard("wrap_time_s", "step_time_s"), record.phase("wrap_and_train"):
-        model, record.data["metrics"]["wrap_time_s"] = _timed(lambda: engine.wrap(model, ctx))
+    wrapped = None
+    with record.guard("wrap_time_s", "step_time_s"), record.phase("wrap"):
+        wrapped, record.data["metrics"]["wrap_time_s"] = _timed(lambda: engine.wrap(model, ctx))
         record.set("wrap_peak_mb", memory.peak_mb() - baseline_mb)
-        _train(spec, engine, model, device, memory, baseline_mb, record)
+    if wrapped is None:
+        return  # nothing to train; the error is recorded
+    with record.guard("step_time_s", "step_cpu_s"):
+        _train(spec, engine, wrapped, device, memory, baseline_mb, record)
 
 
 def _train(spec: RunSpec, engine: Engine, model: nn.Module, device: torch.device,

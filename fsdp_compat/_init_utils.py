@@ -81,39 +81,54 @@ def resolve_ignored_states(
     return modules, params
 
 
-def has_meta_states(module: nn.Module, ignored_params: set[nn.Parameter]) -> bool:
-    """Whether any not-yet-sharded parameter or buffer of ``module`` is on the meta device."""
-    tensors = [p for p in module.parameters() if p not in ignored_params and not isinstance(p, DTensor)]
-    tensors += list(module.buffers())
-    return any(t.is_meta for t in tensors)
+def unit_modules(root: nn.Module, ignored_modules: set[nn.Module], breadth_first: bool = False) -> list[nn.Module]:
+    """The modules of ``root``'s unit: ``root`` and its descendants, stopping at nested wrappers
+    (they are units of their own) and at ignored modules."""
+    order: list[nn.Module] = []
+    pending = [root]
+    while pending:
+        module = pending.pop(0) if breadth_first else pending.pop()
+        order.append(module)
+        children = [child for child in module.children()
+                    if child not in ignored_modules and not _is_wrapper(child)]
+        pending.extend(children if breadth_first else reversed(children))
+    return order
 
 
-def materialize_meta_module(
-    module: nn.Module,
-    param_init_fn: Callable[[nn.Module], None] | None,
-    device: torch.device,
-    ignored_modules: set[nn.Module],
-) -> None:
-    """Give a meta-device ``module`` real storage and initial values.
+def _is_wrapper(module: nn.Module) -> bool:
+    return hasattr(module, "_fsdp_wrapped_module")
 
-    With ``param_init_fn`` it is called on ``module`` (as FSDP1 does). Otherwise each submodule with
-    its own meta parameters or buffers gets storage on ``device`` and ``reset_parameters()`` is
-    called in module order (pre-order): the order eager construction initialises them in, so the
-    same seed gives the same values as building the model eagerly. Tied parameters stay tied and
-    keep the value of their first owner, as with eager construction followed by tying.
+
+class MetaMaterializer:
+    """Gives meta-device modules real storage and initial values, one module at a time.
+
+    Without ``param_init_fn`` each module's own meta parameters and buffers get storage on
+    ``device`` and its ``reset_parameters()`` runs. Modules are fed in pre-order, the order eager
+    construction initialises them in, so the same seed gives the values of eager construction; a
+    tied tensor stays tied and keeps its first owner's value. The wrapper feeds them while it
+    shards unit by unit, so no more than one unit (beyond the root's own states) is ever
+    unsharded. With ``param_init_fn``, FSDP1's semantics: it is called on every module of a unit
+    (breadth-first) when that unit is built.
     """
-    if param_init_fn is not None:
-        param_init_fn(module)
-        return
-    materialized: dict[int, torch.Tensor] = {}
-    keep_alive: list[torch.Tensor] = []  # ids in ``materialized`` must not be reused
-    for submodule in module.modules():
-        if submodule in ignored_modules:
-            continue
-        already_initialized = _materialize_direct_states(submodule, device, materialized, keep_alive)
+
+    def __init__(self, device: torch.device, ignored_modules: set[nn.Module],
+                 param_init_fn: Callable[[nn.Module], None] | None) -> None:
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(f"Expected param_init_fn to be callable but got {type(param_init_fn)}")
+        self.device = device
+        self.ignored_modules = ignored_modules
+        self.param_init_fn = param_init_fn
+        self._materialized: dict[int, torch.Tensor] = {}
+        self._keep_alive: list[torch.Tensor] = []  # ids in ``_materialized`` must not be reused
+
+    def materialize_own_states(self, module: nn.Module) -> None:
+        """``reset_parameters()`` path: materialise ``module``'s own meta tensors (no-op otherwise)."""
+        if self.param_init_fn is not None or module in self.ignored_modules:
+            return
+        already_initialized = self._replace_meta_tensors(module)
         if already_initialized is None:
-            continue
-        reset = getattr(submodule, "reset_parameters", None)
+            return
+        reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             with torch.no_grad():
                 reset()
@@ -121,47 +136,59 @@ def materialize_meta_module(
                 for tensor, value in already_initialized:
                     tensor.copy_(value)
 
+    def materialize_unit(self, root: nn.Module) -> None:
+        """Materialise whatever of ``root``'s unit is still on the meta device."""
+        if not any(t.is_meta for m in unit_modules(root, self.ignored_modules)
+                   for t in _own_tensors(m)):
+            return
+        if self.param_init_fn is not None:
+            for module in unit_modules(root, self.ignored_modules, breadth_first=True):
+                self.param_init_fn(module)
+            return
+        for module in unit_modules(root, self.ignored_modules):
+            self.materialize_own_states(module)
 
-def _materialize_direct_states(
-    submodule: nn.Module,
-    device: torch.device,
-    materialized: dict[int, torch.Tensor],
-    keep_alive: list[torch.Tensor],
-) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Replace ``submodule``'s own meta tensors by empty ones on ``device``, reusing tied ones.
+    def _replace_meta_tensors(self, module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Swap ``module``'s own meta tensors for empty ones on the device, reusing tied ones.
 
-    Returns the (tensor, saved value) pairs of tensors materialised earlier by another module, or
-    ``None`` when the module had no meta tensor of its own.
-    """
-    found_meta = False
-    already_initialized: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for registry in (submodule._parameters, submodule._buffers):
-        for name, tensor in registry.items():
-            if tensor is None or not tensor.is_meta:
-                continue
-            found_meta = True
-            if id(tensor) in materialized:
-                replacement = materialized[id(tensor)]
-                already_initialized.append((replacement, replacement.detach().clone()))
-            else:
-                replacement = torch.empty_like(tensor, device=device)
-                if isinstance(tensor, nn.Parameter):
-                    replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
-                materialized[id(tensor)] = replacement
-                keep_alive.append(tensor)
-            registry[name] = replacement
-    return already_initialized if found_meta else None
+        Returns the (tensor, saved value) pairs of tensors materialised earlier by another module,
+        or ``None`` when the module had no meta tensor of its own.
+        """
+        found_meta = False
+        already_initialized: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for registry in (module._parameters, module._buffers):
+            for name, tensor in registry.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                found_meta = True
+                if id(tensor) in self._materialized:
+                    replacement = self._materialized[id(tensor)]
+                    already_initialized.append((replacement, replacement.detach().clone()))
+                else:
+                    replacement = torch.empty_like(tensor, device=self.device)
+                    if isinstance(tensor, nn.Parameter):
+                        replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
+                    self._materialized[id(tensor)] = replacement
+                    self._keep_alive.append(tensor)
+                registry[name] = replacement
+        return already_initialized if found_meta else None
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
 
 
 @torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored_params: set[nn.Parameter]) -> None:
-    """``sync_module_states``: give every rank mesh-rank 0's parameters and buffers.
+def broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored_modules: set[nn.Module],
+                         ignored_params: set[nn.Parameter]) -> None:
+    """``sync_module_states``: give every rank mesh-rank 0's parameters and buffers of this unit.
 
-    Only tensors not yet sharded by a nested unit are sent (those were synced by that unit). Works
-    on CPU tensors with gloo, where FSDP1 refuses.
+    Nested units synced their own states before they were sharded. Works on CPU tensors with
+    gloo, where FSDP1 refuses.
     """
-    tensors = [p.data for p in module.parameters() if p not in ignored_params and not isinstance(p, DTensor)]
-    tensors += [b for b in module.buffers() if not isinstance(b, DTensor)]
+    tensors = [t.data if isinstance(t, nn.Parameter) else t
+               for m in unit_modules(module, ignored_modules) for t in _own_tensors(m)
+               if t not in ignored_params and not isinstance(t, DTensor)]
     if not tensors:
         return
     # Along the replicate dimension first, then within each shard group: all end with (0, 0)'s.

@@ -21,12 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _runtime, _state_dict
 from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, warn_once
 from ._init_utils import (
+    MetaMaterializer,
     broadcast_from_rank0,
     check_container_has_no_own_params,
     check_module,
-    has_meta_states,
     is_forwardless_container,
-    materialize_meta_module,
     resolve_ignored_states,
 )
 from ._mesh import build_mesh, resolve_device
@@ -126,24 +125,28 @@ class FullyShardedDataParallel(nn.Module):
         self.rank = self.process_group.rank()
         self.world_size = self.process_group.size()
 
-        if has_meta_states(module, self._ignored_params):
-            materialize_meta_module(module, param_init_fn, self.compute_device, self._ignored_modules)
-        if self._sync_module_states:
-            broadcast_from_rank0(module, self._device_mesh, self._ignored_params)
-
+        materializer = MetaMaterializer(self.compute_device, self._ignored_modules, param_init_fn)
         if auto_wrap_policy is not None:
             child_kwargs = dict(
                 sharding_strategy=self.sharding_strategy, cpu_offload=self.cpu_offload,
                 backward_prefetch=self.backward_prefetch, mixed_precision=self.mixed_precision,
-                device_id=device_id, sync_module_states=False, forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
-                device_mesh=self._device_mesh, param_init_fn=param_init_fn,
+                device_id=device_id, sync_module_states=self._sync_module_states,
+                forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+                use_orig_params=use_orig_params, device_mesh=self._device_mesh,
+                param_init_fn=param_init_fn,
             )
             individually_wrapped = _mixed_precision.prepare_individually_wrapped(
                 module, self.mixed_precision)
             targets = plan_wrapping(module, auto_wrap_policy, self._ignored_modules,
                                     self._ignored_params, child_kwargs, individually_wrapped)
-            apply_wrapping(module, targets, self._wrap_child)
+            # A meta-device model is materialised module by module in pre-order while each planned
+            # unit is sharded as soon as its subtree is ready: besides the root's own states, at
+            # most one unit is ever unsharded.
+            apply_wrapping(module, targets, self._wrap_child,
+                           before_visit=materializer.materialize_own_states)
+        materializer.materialize_unit(module)
+        if self._sync_module_states:
+            broadcast_from_rank0(module, self._device_mesh, self._ignored_modules, self._ignored_params)
 
         self._fsdp_wrapped_module = module
         self._is_root: bool | None = True

@@ -270,11 +270,18 @@ def apply_wrapping(
     root_module: nn.Module,
     targets: dict[nn.Module, dict[str, Any]],
     wrap_function: Callable[..., nn.Module],
+    before_visit: Callable[[nn.Module], None] | None = None,
 ) -> None:
-    """Replace each target submodule, children before parents, by ``wrap_function(module, **kw)``."""
+    """Replace each target submodule, children before parents, by ``wrap_function(module, **kw)``.
+
+    ``before_visit`` sees every module in pre-order (the root first) before anything below it is
+    wrapped; the wrapper materialises meta-device modules there.
+    """
     visited: set[nn.Module] = {root_module}
 
     def visit(module: nn.Module) -> None:
+        if before_visit is not None:
+            before_visit(module)
         for name, child in list(module.named_children()):
             if child in visited:
                 continue

@@ -198,25 +198,49 @@ def test_meta_device_model_gets_eager_values():
     assert model.module.logit_scale.item() == 0.5
 
 
-@distributed_test(world_size=2)
-def test_param_init_fn_is_used_for_meta_models():
-    diff.quiet()
+def _meta_model_with_recording_init(wrapper_class, extra: dict):
     with torch.device("meta"):
         meta_model = TinyGPT()
     seen = []
 
-    def init(module: nn.Module) -> None:
+    def init(module: nn.Module) -> None:  # the usual FSDP1 recipe: this module's own states only
         seen.append(type(module).__name__)
-        module.to_empty(device=diff.device())
+        module.to_empty(device=diff.device(), recurse=False)
         with torch.no_grad():
-            for param in module.parameters():
-                param.fill_(0.25)
-            for buffer in module.buffers():
-                buffer.fill_(1)
+            for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                tensor.fill_(0.25)
 
-    model = FSDP(meta_model, param_init_fn=init)
-    assert seen == ["TinyGPT"]
+    model = wrapper_class(meta_model, param_init_fn=init, auto_wrap_policy=diff.block_policy_torch(), **extra)
+    return seen, model
+
+
+@distributed_test(world_size=2)
+def test_param_init_fn_is_called_like_fsdp1():
+    """FSDP1 calls ``param_init_fn`` on every module of each unit, units bottom-up, breadth-first."""
+    diff.quiet()
+    seen, model = _meta_model_with_recording_init(FSDP, {})
     assert all(torch.all(value == 0.25) for value in diff.full_parameters(model).values())
+    assert model.module.logit_scale.item() == 0.25
+    if diff.HAVE_FSDP1:
+        fsdp1_seen, _ = _meta_model_with_recording_init(diff.TorchFSDP, diff.fsdp1_kwargs())
+        assert seen == fsdp1_seen
+
+
+@distributed_test(world_size=2)
+def test_meta_model_is_sharded_unit_by_unit():
+    """While block k is materialised, blocks before it are already sharded (bounded peak memory)."""
+    diff.quiet()
+    with torch.device("meta"):
+        meta_model = TinyGPT(GPTConfig(n_layer=3))
+    sharded_when_initialised = []
+    for index, block in enumerate(meta_model.blocks):
+        def record(module, index=index, original=block.ln1.reset_parameters):
+            earlier = meta_model.blocks[:index]
+            sharded_when_initialised.append(all(isinstance(p, DTensor) for b in earlier for p in b.parameters()))
+            original()
+        block.ln1.reset_parameters = functools.partial(record, block.ln1)
+    FSDP(meta_model, auto_wrap_policy=our_wrap.ModuleWrapPolicy({Block}))
+    assert sharded_when_initialised == [True, True, True]
 
 
 @distributed_test(world_size=2)
