@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
+from typing import Any
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
@@ -20,6 +21,13 @@ class TrainingState(enum.Enum):
     IDLE = enum.auto()
     FORWARD_BACKWARD = enum.auto()
     SUMMON_FULL_PARAMS = enum.auto()
+
+
+def wrappers_in(module: Any) -> list[Any]:
+    """Every ``FullyShardedDataParallel`` in ``module`` (itself included), pre-order."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel  # that module imports this one
+
+    return FullyShardedDataParallel.fsdp_modules(module)
 
 
 def clean_name(name: str) -> str:

@@ -163,7 +163,8 @@ def init_unit(wrapper: FullyShardedDataParallel) -> None:
 
 
 def root_pre_forward(
-    wrapper: FullyShardedDataParallel, args: tuple[Any, ...], kwargs: dict[str, Any]
+    wrapper: FullyShardedDataParallel, units: list[FullyShardedDataParallel],
+    args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """What FSDP1's root does for mixed precision before each forward.
 
@@ -172,7 +173,6 @@ def root_pre_forward(
     flat-parameter upcast swap fresh contents into the parameters, and the hooks leave with the
     old ones) and the root's floating-point inputs are cast.
     """
-    units = wrapper.fsdp_modules(wrapper)
     if not wrapper._buffers_cast_for_computation:
         _cast_buffers_for_computation(units)
         wrapper._buffers_cast_for_computation = True

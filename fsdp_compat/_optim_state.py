@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import _engine, _state_dict
-from ._common import clean_name
+from ._common import clean_name, wrappers_in
 from ._mesh import flatten_to_1d
 from ._tensor_layout import (
     copy_to,
@@ -102,12 +102,6 @@ class _ParamIndex:
         return [self.fqn_of[param] for param in params]
 
 
-def _wrappers(model: nn.Module) -> list[nn.Module]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return FullyShardedDataParallel.fsdp_modules(model)
-
-
 def _uses_flat_params(wrappers: list[nn.Module]) -> bool:
     """FSDP1's ``use_orig_params=False`` ordering applies; all units must agree, as FSDP1 checks."""
     settings = {wrapper._use_orig_params for wrapper in wrappers}
@@ -173,7 +167,7 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
     ordered = [param for group in groups for param in group]
     key_of = {param: (raw_name_of[param] if named_keys else position)
               for position, param in enumerate(ordered)}
-    wrappers = _wrappers(model)
+    wrappers = wrappers_in(model)
     unit_of = _unit_ownership(wrappers)
     return _ParamIndex(
         groups=groups,
@@ -247,7 +241,7 @@ def _model_group(model: nn.Module, group: Any) -> Any:
     """The group spanning every rank of the model: ``group`` if given, else the root mesh's."""
     if group is not None:
         return group
-    wrappers = _wrappers(model)
+    wrappers = wrappers_in(model)
     if not wrappers:
         return dist.group.WORLD
     return flatten_to_1d(wrappers[0]._device_mesh).get_group()

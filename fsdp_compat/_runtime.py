@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import _engine
 from ._full_tensors import gather_full_tensors
-from ._common import TrainingState, warn_once
+from ._common import TrainingState, warn_once, wrappers_in
 from ._mesh import HYBRID_STRATEGIES
 from .api import ShardingStrategy
 
@@ -40,22 +40,15 @@ def init_runtime_state(wrapper: FullyShardedDataParallel) -> None:
     wrapper._comm_hook_state = None
 
 
-def _wrappers(module: nn.Module) -> list[FullyShardedDataParallel]:
-    """Every wrapper in ``module`` (itself included), pre-order."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel  # that module imports this one
-
-    return FullyShardedDataParallel.fsdp_modules(module)
-
-
 # ---------------------------------------------------------------------------------------------
 # Root forward: checks, recovery, prefetch
 # ---------------------------------------------------------------------------------------------
 
 
-def check_idle_for_forward(wrapper: FullyShardedDataParallel) -> None:
+def check_idle_for_forward(units: list[FullyShardedDataParallel]) -> None:
     """Refuse a forward inside ``summon_full_params``. FSDP1 runs it, but reshards the parameters
     under the open context and trains wrongly afterwards; a clear error is better."""
-    if any(unit.training_state == TrainingState.SUMMON_FULL_PARAMS for unit in _wrappers(wrapper)):
+    if any(unit.training_state == TrainingState.SUMMON_FULL_PARAMS for unit in units):
         raise AssertionError("Cannot run forward inside summon_full_params(); exit the context first "
                              "(inside it the parameters are full copies, for reading or editing)")
 
@@ -95,7 +88,7 @@ def no_sync(wrapper: FullyShardedDataParallel) -> Generator[None, None, None]:
     if not wrapper._is_root:
         raise RuntimeError("`no_sync()` on inner FSDP instances is not supported. Please call "
                            "`no_sync()` on root FSDP module.")
-    units = [unit.module for unit in _wrappers(wrapper)]
+    units = [unit.module for unit in wrappers_in(wrapper)]
     saved = [_engine.gradient_sync_flags(unit) for unit in units]
     for unit, flags in zip(units, saved):
         _engine.set_gradient_sync_flags(unit, [(False, False)] * len(flags))
@@ -330,7 +323,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     wrapper). With ``rank0_only``, ranks other than 0 keep their shards. Inside, the affected
     wrappers are in ``SUMMON_FULL_PARAMS`` (clean ``named_parameters()`` names, no forward).
     """
-    wrappers = _wrappers(module) if recurse else [w for w in _wrappers(module) if w is module]
+    wrappers = wrappers_in(module) if recurse else [w for w in wrappers_in(module) if w is module]
     _validate_summon_args(wrappers, writeback, rank0_only, offload_to_cpu, with_grads)
     for wrapper in wrappers:
         _check_can_summon(wrapper)
@@ -374,7 +367,7 @@ def register_comm_hook(wrapper: FullyShardedDataParallel, state: object, hook: C
     """
     if not wrapper._is_root:
         raise AssertionError("register_comm_hook can only be called on a root instance.")
-    units = _wrappers(wrapper)
+    units = wrappers_in(wrapper)
     for unit in units:
         if unit.sharding_strategy in HYBRID_STRATEGIES:
             raise AssertionError(f"Communication hook is not supported for hybrid strategies: "

@@ -40,7 +40,7 @@ from ._state_dict_entries import (
     _Entry,
     _entries,
     _entry_settings,
-    _wrappers,
+    wrappers_in,
 )
 from ._state_dict_load import load_state_dict, register_load_hooks
 from ._tensor_layout import shard_like
@@ -102,7 +102,7 @@ def set_state_dict_type(
     As FSDP1: a config of the wrong class raises ``RuntimeError``; a module without wrappers is
     left alone and ``StateDictSettings(None, None, None)`` returned (which, passed back, is a no-op).
     """
-    wrappers = _wrappers(module)
+    wrappers = wrappers_in(module)
     if state_dict_type is None and not wrappers:
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     state_dict_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
@@ -153,7 +153,7 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings shared by every wrapper in ``module`` (``None`` without wrappers, as FSDP1);
     ``AssertionError`` if they differ."""
     settings: StateDictSettings | None = None
-    for wrapper in _wrappers(module):
+    for wrapper in wrappers_in(module):
         current = StateDictSettings(wrapper._state_dict_type, wrapper._state_dict_config,
                                     wrapper._optim_state_dict_config)
         if settings is None:

@@ -19,19 +19,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine
-from ._common import CHECKPOINT_WRAPPED_MODULE, FSDP_WRAPPED_MODULE, TrainingState, clean_name, warn_once
+from ._common import (CHECKPOINT_WRAPPED_MODULE, FSDP_WRAPPED_MODULE, TrainingState, clean_name,
+                      warn_once, wrappers_in)
 from .api import FullStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictType
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
 _WRAPPER_SEGMENTS = {FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE}
-
-
-def _wrappers(module: nn.Module) -> list[FullyShardedDataParallel]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel  # that module imports this one
-
-    return FullyShardedDataParallel.fsdp_modules(module)
 
 
 # Set while a wrapper runs ``nn.Module.state_dict`` over its tree: nested wrappers reached by that
@@ -68,7 +63,7 @@ def _entries(wrapper: FullyShardedDataParallel) -> tuple[list[_Entry], OrderedDi
     """The wrapper's state entries in ``nn.Module.state_dict`` order, and its ``_metadata``."""
     raw = _raw_state_dict(wrapper)
     sharded_by_slot = {(id(module), name): sharded
-                       for unit in _wrappers(wrapper)
+                       for unit in wrappers_in(wrapper)
                        for sharded, slots in _engine.unit_param_slots(unit.module)
                        for module, name in slots}
     entries = []

@@ -34,7 +34,7 @@ from ._state_dict_entries import (
     _Entry,
     _entries,
     _check_not_in_iteration,
-    _wrappers,
+    wrappers_in,
 )
 from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, to_full
 from .api import ShardingStrategy, StateDictType
@@ -127,7 +127,7 @@ def _reshard_units(wrapper: FullyShardedDataParallel) -> None:
     """Register the sharded parameters (the root keeps full ones after a no-grad forward), so that
     loading writes the shards and no stale full copy is used afterwards. Summoned units keep
     their full parameters: loading writes those, and summon's writeback takes it from there."""
-    for unit in _wrappers(wrapper):
+    for unit in wrappers_in(wrapper):
         if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
             unit.module.reshard()
 
@@ -137,7 +137,7 @@ def _shards_registered(wrapper: FullyShardedDataParallel) -> Iterator[None]:
     """The engine's post-load hooks re-read each parameter's registration and expect its shard;
     summoned units show full parameters instead, so their shards stand in during the load."""
     swapped = []
-    for unit in _wrappers(wrapper):
+    for unit in wrappers_in(wrapper):
         if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
             continue
         for sharded, slots in _engine.unit_param_slots(unit.module):

@@ -269,16 +269,17 @@ class FullyShardedDataParallel(nn.Module):
             return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _root_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        _runtime.check_idle_for_forward(self)
+        units = self.fsdp_modules(self)  # walked once per step, shared by the steps below
+        _runtime.check_idle_for_forward(units)
         _runtime.recover_interrupted_iteration(self)
         if self._forward_order is None:
             # First iteration: record the units' forward order for ``forward_prefetch``.
             self._forward_order = []
-            for unit in self.fsdp_modules(self):
+            for unit in units:
                 unit._order_recorder = self._forward_order
-        elif any(unit.forward_prefetch for unit in self.fsdp_modules(self)):
+        elif any(unit.forward_prefetch for unit in units):
             _runtime.configure_forward_prefetch(self._forward_order)
-        return _mixed_precision.root_pre_forward(self, args, kwargs)
+        return _mixed_precision.root_pre_forward(self, units, args, kwargs)
 
     def _record_forward_order(self) -> None:
         recorder = self.__dict__.pop("_order_recorder", None)
