@@ -217,10 +217,16 @@ def check_against_fsdp1(golden_name: str, key: str, ours: list[float],
     With FSDP1 present the fresh values are also written to the golden file (when
     ``FSDP_COMPAT_WRITE_GOLDEN=1``), so the test keeps meaning something once torch drops FSDP1.
     """
+    expected = fsdp1_value(golden_name, key, run_fsdp1)
+    assert_close_lists(ours, expected, rtol=rtol, what=f"{key} vs torch FSDP1")
+
+
+def fsdp1_value(golden_name: str, key: str, run_fsdp1: Callable[[], Any]) -> Any:
+    """torch FSDP1's (JSON-able) value for ``key``: computed now, or its golden copy without FSDP1."""
     golden = load_golden(golden_name) or {}
     if HAVE_FSDP1:
         golden[key] = run_fsdp1()
         save_golden(golden_name, golden)
     assert key in golden, f"no FSDP1 result or golden value for {key} in {golden_name}"
-    assert_close_lists(ours, golden[key], rtol=rtol, what=f"{key} vs torch FSDP1")
+    return golden[key]
 

@@ -93,16 +93,20 @@ def test_drop_in_script_with_torch_config_objects():
 # Names, nesting and the module surface
 # ---------------------------------------------------------------------------------------------
 
-@needs_fsdp1
 @distributed_test(world_size=2)
 def test_parameter_names_match_fsdp1_with_orig_params():
     diff.quiet()
     ours = FSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch())
-    theirs = diff.TorchFSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch(),
-                            use_orig_params=True, **diff.fsdp1_kwargs())
-    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
-    assert [n for n, _ in ours.named_buffers()] == [n for n, _ in theirs.named_buffers()]
-    assert [n for n, _ in ours.named_modules()] == [n for n, _ in theirs.named_modules()]
+
+    def fsdp1_names():
+        theirs = diff.TorchFSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch(),
+                                use_orig_params=True, **diff.fsdp1_kwargs())
+        return {kind: [n for n, _ in getattr(theirs, f"named_{kind}")()]
+                for kind in ("parameters", "buffers", "modules")}
+
+    expected = diff.fsdp1_value("wrapper_names", diff.golden_key("block-policy"), fsdp1_names)
+    for kind in ("parameters", "buffers", "modules"):
+        assert [n for n, _ in getattr(ours, f"named_{kind}")()] == expected[kind], kind
     assert all(isinstance(p, DTensor) for p in ours.parameters())
 
 
@@ -168,17 +172,18 @@ def _unit_names(model: nn.Module, wrapper_class) -> list[str]:
     return [diff.clean_name(name) for name, module in model.named_modules() if isinstance(module, wrapper_class)]
 
 
-@needs_fsdp1
 @pytest.mark.parametrize("policy_name", ["module", "custom", "transformer", "size", "lambda", "always"])
 @distributed_test(world_size=1)
 def test_wrapped_units_match_fsdp1(policy_name):
     diff.quiet()
-    expected = _unit_names(diff.TorchFSDP(diff.make_model(), auto_wrap_policy=_policies(diff.torch_wrap)[policy_name],
-                                          **diff.fsdp1_kwargs()), diff.TorchFSDP)
-    from_torch_policy = _unit_names(FSDP(diff.make_model(), auto_wrap_policy=_policies(diff.torch_wrap)[policy_name]), FSDP)
-    from_our_policy = _unit_names(FSDP(diff.make_model(), auto_wrap_policy=_policies(our_wrap)[policy_name]), FSDP)
-    assert from_torch_policy == expected
-    assert from_our_policy == expected
+    expected = diff.fsdp1_value("wrapper_names", f"units-{policy_name}", lambda: _unit_names(
+        diff.TorchFSDP(diff.make_model(), auto_wrap_policy=_policies(diff.torch_wrap)[policy_name],
+                       **diff.fsdp1_kwargs()), diff.TorchFSDP))
+    policies = [_policies(our_wrap)[policy_name]]
+    if diff.torch_wrap is not None:
+        policies.append(_policies(diff.torch_wrap)[policy_name])
+    for policy in policies:
+        assert _unit_names(FSDP(diff.make_model(), auto_wrap_policy=policy), FSDP) == expected
 
 
 # ---------------------------------------------------------------------------------------------
