@@ -9,6 +9,7 @@ types, ``optim_state_dict``); raw FSDP2 through its own API (``fully_shard`` / `
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -121,7 +122,7 @@ class FSDP1StyleEngine(Engine):
         if ctx.strategy == "HYBRID_SHARD":
             kwargs["device_mesh"] = ctx.mesh(ctx.hybrid_mesh)
         if self.keep_ties_at_init:
-            kwargs["param_init_fn"] = tie_preserving_init(ctx.device)
+            kwargs["param_init_fn"] = tie_preserving_init(model, ctx.device)
         return self.fsdp(model, **kwargs)
 
     def _sharded(self, model: nn.Module) -> Any:
@@ -212,17 +213,22 @@ class RawFSDP2Engine(Engine):
         set_optimizer_state_dict(model, optim, state)
 
 
-def tie_preserving_init(device: torch.device) -> Callable[[nn.Module], None]:
-    """A ``param_init_fn`` for torch FSDP1 that keeps tied parameters tied.
+def tie_preserving_init(model: nn.Module, device: torch.device) -> Callable[[nn.Module], None]:
+    """A ``param_init_fn`` for torch FSDP1 that keeps ``model``'s tied parameters tied.
 
     FSDP1's default meta-device initialisation calls ``to_empty(recurse=False)`` module by module,
     which gives the tied head and embedding two separate tensors: FSDP1 would then train a model
     with one more embedding matrix (5.80M instead of 5.28M parameters for ``small``) than the other
-    engines. This does the same per-module work (storage, then ``reset_parameters()``) but reuses
-    a tensor already materialised for another module, keeping its value.
+    engines. This does the same per-module work (storage, then ``reset_parameters()``) but gives
+    every module holding a shared tensor the one materialised first, keeping its value. Only
+    shared tensors are remembered, and only until their last holder is initialised, so nothing
+    else outlives FSDP1's flattening.
     """
+    holders: Counter[int] = Counter(
+        id(tensor) for module in model.modules() for registry in (module._parameters, module._buffers)
+        for tensor in registry.values() if tensor is not None and tensor.is_meta)
+    shared = {key for key, count in holders.items() if count > 1}
     materialized: dict[int, torch.Tensor] = {}
-    keep_alive: list[torch.Tensor] = []  # ids in ``materialized`` must stay unique
 
     @torch.no_grad()
     def init(module: nn.Module) -> None:
@@ -231,20 +237,24 @@ def tie_preserving_init(device: torch.device) -> Callable[[nn.Module], None]:
             for name, tensor in registry.items():
                 if tensor is None or not tensor.is_meta:
                     continue
-                if id(tensor) in materialized:
-                    registry[name] = materialized[id(tensor)]
+                key = id(tensor)
+                if key in materialized:
+                    registry[name] = materialized[key]
                     tied_values.append((registry[name], registry[name].detach().clone()))
-                    continue
-                replacement = torch.empty_like(tensor, device=device)
-                if isinstance(tensor, nn.Parameter):
-                    replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
-                materialized[id(tensor)] = replacement
-                keep_alive.append(tensor)
-                registry[name] = replacement
+                else:
+                    replacement = torch.empty_like(tensor, device=device)
+                    if isinstance(tensor, nn.Parameter):
+                        replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
+                    registry[name] = replacement
+                    if key in shared:
+                        materialized[key] = replacement
+                holders[key] -= 1
+                if holders[key] == 0:
+                    materialized.pop(key, None)
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
-        for tensor, value in tied_values:  # initialised by its first owner
+        for tensor, value in tied_values:  # initialised by its first holder
             tensor.copy_(value)
 
     return init

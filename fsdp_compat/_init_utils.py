@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -118,7 +119,9 @@ class MetaMaterializer:
         self.device = device
         self.ignored_modules = ignored_modules
         self.param_init_fn = param_init_fn
-        self._materialized: dict[int, torch.Tensor] = {}
+        # Weak references: a strong one would keep every unit's full tensors alive until the
+        # root is built, long after the engine replaced them by shards (a tie lives in one unit).
+        self._materialized: dict[int, weakref.ref[torch.Tensor]] = {}
         self._keep_alive: list[torch.Tensor] = []  # ids in ``_materialized`` must not be reused
 
     def materialize_own_states(self, module: nn.Module) -> None:
@@ -161,14 +164,15 @@ class MetaMaterializer:
                 if tensor is None or not tensor.is_meta:
                     continue
                 found_meta = True
-                if id(tensor) in self._materialized:
-                    replacement = self._materialized[id(tensor)]
+                earlier = self._materialized.get(id(tensor))
+                replacement = earlier() if earlier is not None else None
+                if replacement is not None:
                     already_initialized.append((replacement, replacement.detach().clone()))
                 else:
                     replacement = torch.empty_like(tensor, device=self.device)
                     if isinstance(tensor, nn.Parameter):
                         replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
-                    self._materialized[id(tensor)] = replacement
+                    self._materialized[id(tensor)] = weakref.ref(replacement)
                     self._keep_alive.append(tensor)
                 registry[name] = replacement
         return already_initialized if found_meta else None

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._collectives import communication_device
 from .api import ShardingStrategy
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -126,20 +127,19 @@ def _mesh_from_group_pair(intra_node: Any, inter_node: Any, device_type: str) ->
     key = ("pair", intra_node, inter_node, device_type)
     if key not in _mesh_cache:
         _mesh_cache[key] = DeviceMesh.from_group(
-            [inter_node, intra_node], device_type, mesh=_node_layout(intra_node, device_type),
+            [inter_node, intra_node], device_type, mesh=_node_layout(intra_node),
             mesh_dim_names=MESH_DIM_NAMES_2D,
         )
     return _mesh_cache[key]
 
 
-def _node_layout(intra_node: Any, device_type: str) -> torch.Tensor:
+def _node_layout(intra_node: Any) -> torch.Tensor:
     """The (nodes, ranks per node) table of global ranks, learnt from every rank's intra-node group.
 
     A tensor all-gather rather than an object collective: those need numpy.
     """
     node_ranks = torch.tensor(dist.get_process_group_ranks(intra_node), dtype=torch.int64,
-                              device=torch.device(device_type, torch.cuda.current_device())
-                              if device_type == "cuda" else "cpu")
+                              device=communication_device())
     everyones = [torch.empty_like(node_ranks) for _ in range(dist.get_world_size())]
     dist.all_gather(everyones, node_ranks)
     layout = sorted({tuple(ranks.tolist()) for ranks in everyones})

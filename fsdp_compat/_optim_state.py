@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import _engine, _state_dict
+from ._collectives import broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name, wrappers_in
 from ._mesh import flatten_to_1d
 from ._tensor_layout import (
@@ -299,9 +300,7 @@ def _gather_full_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[s
 
 def _check_same_structure(signature: list[Any], group: Any) -> None:
     """Every rank must hold state for the same parameters, or the gathers would not pair up."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, signature, group=group)
-    if any(other != signature for other in everyone):
+    if not same_on_all_ranks(signature, group):
         raise RuntimeError("Ranks hold optimizer state for different parameters or state names; "
                            "every rank must step the same optimizer over the same model")
 
@@ -452,14 +451,12 @@ def _broadcast_checked(osd: Any, index: _ParamIndex, group: Any) -> dict[str, An
             message[0] = ("ok", _skeleton(osd))
         except Exception as error:  # every rank raises it, none waits for tensors that never come
             message[0] = ("error", error)
-    dist.broadcast_object_list(message, group_src=0, group=group)
-    status, payload = message[0]
+    status, payload = broadcast_object(message[0], group)
     if status == "error":
         raise payload
     if dist.get_rank(group) != 0:
         osd = payload
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+    device = communication_device(group)
     state = {}
     for name, param_state in osd["state"].items():
         state[name] = {}

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _engine
+from ._collectives import broadcast_object
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_name
 from ._full_tensors import sharded_tensor_local_piece
 from ._state_dict_entries import (
@@ -202,11 +203,11 @@ class _TensorSpec:
 def _broadcast_from_rank0(state_dict: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     """Rank 0's state dict on every rank (``broadcast_from_rank0=True``; torch broadcasts over the
     default group, so do we). Tensors travel one by one; other values with the key list."""
-    manifest = [{key: _TensorSpec(value.shape, value.dtype) if isinstance(value, torch.Tensor) else value
-                 for key, value in state_dict.items()} if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(manifest, src=0)
+    manifest = broadcast_object({key: _TensorSpec(value.shape, value.dtype)
+                                 if isinstance(value, torch.Tensor) else value
+                                 for key, value in state_dict.items()} if dist.get_rank() == 0 else None)
     received: dict[str, Any] = {}
-    for key, described in manifest[0].items():
+    for key, described in manifest.items():
         if not isinstance(described, _TensorSpec):
             received[key] = described
             continue

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate
 # The local slice of a DTensor layout on this rank (uneven and empty shards included).
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ._collectives import communication_device
 from ._full_tensors import gather_full_tensors
 
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
@@ -118,18 +119,11 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
                               shape=like.shape, stride=like.stride())
 
 
-def _comm_device(group: Any) -> torch.device:
-    """Where tensors must live to be sent over ``group`` (its backend's device)."""
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
     """Gather an FSDP1 ``ShardedTensor`` on every rank: each shard is broadcast by its owner."""
     metadata = value.metadata()
     group = value._process_group
-    device = _comm_device(group)
+    device = communication_device(group)
     dtype = metadata.tensor_properties.dtype
     mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in value.local_shards()}
     full = torch.empty(tuple(metadata.size), dtype=dtype, device=device)

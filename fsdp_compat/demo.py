@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import os
 import resource
 import shutil
@@ -40,6 +41,7 @@ from . import (
     ShardingStrategy,
     StateDictType,
 )
+from ._collectives import broadcast_object
 from .examples import Block, GPTConfig, TinyGPT, synthetic_batch
 from .wrap import ModuleWrapPolicy
 
@@ -89,12 +91,16 @@ def _use_gpus(world_size: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
 
 
+# A collective that waits longer than this fails (rather than hanging the demo) when a rank died.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)
+
+
 def _init_process_group(rank: int, world_size: int) -> torch.device:
     if _use_gpus(world_size):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl", rank=rank, world_size=world_size)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         return torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     return torch.device("cpu")
 
 
@@ -109,16 +115,22 @@ def _spawned_rank(rank: int, world_size: int, port: int, options: DemoOptions) -
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     run_rank(rank, world_size, options)
+    # Leave without running C++ static destructors: at interpreter exit a background thread of
+    # torch.distributed sometimes aborts the process ("terminate called without an active
+    # exception") after all the work is done, which would turn a good run into a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_rank(rank: int, world_size: int, options: DemoOptions) -> None:
     """One rank of the demo; raises on failure (the launcher turns that into a non-zero exit)."""
     warnings.filterwarnings("ignore")
     device = _init_process_group(rank, world_size)
-    try:
-        Demo(options, device).run()
-    finally:
-        dist.destroy_process_group()
+    Demo(options, device).run()
+    # Only after success: on failure the other ranks may be inside a collective, and tearing the
+    # group down would wait for them; the launcher ends them instead.
+    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,14 +301,13 @@ class Demo:
             yield path
             return
         # Rank 0 makes the temporary directory; every rank must use the same one.
-        name = [tempfile.mkdtemp(prefix="fsdp_compat_demo_") if self.rank == 0 else None]
-        _broadcast_path(name)
+        name = broadcast_object(tempfile.mkdtemp(prefix="fsdp_compat_demo_") if self.rank == 0 else None)
         try:
-            yield Path(name[0])
+            yield Path(name)
         finally:
             dist.barrier()
             if self.rank == 0:
-                shutil.rmtree(name[0], ignore_errors=True)
+                shutil.rmtree(name, ignore_errors=True)
 
 
 @torch.no_grad()
@@ -312,17 +323,6 @@ def _give_optimizer_zero_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
     for group, learning_rate in zip(optimizer.param_groups, learning_rates):
         group["lr"] = learning_rate
-
-
-def _broadcast_path(holder: list[str | None]) -> None:
-    """Broadcast a short string from rank 0 with a tensor collective (object ones need numpy)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    data = torch.zeros(4096, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        encoded = holder[0].encode()
-        data[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    dist.broadcast(data, src=0)
-    holder[0] = bytes(data[data != 0].tolist()).decode()
 
 
 # ---------------------------------------------------------------------------------------------
