@@ -138,12 +138,7 @@ def state_dict_dtypes(wrapped: nn.Module) -> dict[str, str] | None:
 
 def fsdp1_or_golden(name: str, compute) -> dict:
     """FSDP1's record for ``name`` (saved to the golden file), or the golden value without FSDP1."""
-    golden = diff.load_golden("mixed_precision") or {}
-    if diff.HAVE_FSDP1:
-        golden[name] = compute()
-        diff.save_golden("mixed_precision", golden)
-    assert name in golden, f"no FSDP1 result or golden value for {name}"
-    return golden[name]
+    return diff.fsdp1_value("mixed_precision", name, compute)
 
 
 def assert_losses_close(actual: list[float], expected: list[float], dtype: torch.dtype, what: str) -> None:
