@@ -135,15 +135,7 @@ class FullyShardedDataParallel(nn.Module):
                 use_orig_params=use_orig_params, device_mesh=self._device_mesh,
                 param_init_fn=param_init_fn,
             )
-            individually_wrapped = _mixed_precision.prepare_individually_wrapped(
-                module, self.mixed_precision)
-            targets = plan_wrapping(module, auto_wrap_policy, self._ignored_modules,
-                                    self._ignored_params, child_kwargs, individually_wrapped)
-            # A meta-device model is materialised module by module in pre-order while each planned
-            # unit is sharded as soon as its subtree is ready: besides the root's own states, at
-            # most one unit is ever unsharded.
-            apply_wrapping(module, targets, self._wrap_child,
-                           before_visit=materializer.materialize_own_states)
+            self._wrap_nested_units(module, auto_wrap_policy, child_kwargs, materializer)
         materializer.materialize_unit(module)
         if self._sync_module_states:
             broadcast_from_rank0(module, self._device_mesh, self._ignored_modules, self._ignored_params)
@@ -180,12 +172,28 @@ class FullyShardedDataParallel(nn.Module):
     # Construction helpers
     # ------------------------------------------------------------------------------------------
 
+    def _wrap_nested_units(self, module: nn.Module, auto_wrap_policy: Any, child_kwargs: dict[str, Any],
+                           materializer: MetaMaterializer) -> None:
+        """Apply the auto-wrap policy: the planned submodules become nested wrappers, bottom-up."""
+        individually_wrapped = _mixed_precision.prepare_individually_wrapped(module, self.mixed_precision)
+        targets = plan_wrapping(module, auto_wrap_policy, self._ignored_modules, self._ignored_params,
+                                child_kwargs, individually_wrapped)
+        # A meta-device model is materialised module by module in pre-order while each planned
+        # unit is sharded as soon as its subtree is ready: besides the root's own states, at most
+        # one unit is ever unsharded.
+        apply_wrapping(module, targets, self._wrap_child, before_visit=materializer.materialize_own_states)
+
     def _wrap_child(self, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
-        """Wrap a submodule chosen by the auto-wrap policy, with the ignored states inside it."""
-        inside = set(child.modules())
-        ignored = [m for m in self._ignored_modules if m in inside and m is not child]
-        top_level = [m for m in ignored if not any(m in set(o.children()) for o in ignored)]
-        return FullyShardedDataParallel(child, ignored_modules=top_level or None, **kwargs)
+        """Wrap a submodule chosen by the auto-wrap policy, with the ignored states inside it
+        (given the way the user gave them: as modules, or as parameters)."""
+        if self._ignored_modules:
+            inside = set(child.modules())
+            ignored = [m for m in self._ignored_modules if m in inside and m is not child]
+            top_level = [m for m in ignored if not any(m in set(o.children()) for o in ignored)]
+            return FullyShardedDataParallel(child, ignored_modules=top_level or None, **kwargs)
+        inside_params = set(child.parameters())
+        ignored_params = [p for p in self._ignored_params if p in inside_params]
+        return FullyShardedDataParallel(child, ignored_states=ignored_params or None, **kwargs)
 
     def _warn_about_moot_options(self) -> None:
         if not self.limit_all_gathers:

@@ -256,7 +256,8 @@ def test_sync_module_states_gives_rank0_values():
     diff.assert_close_dicts(diff.full_parameters(model), diff.full_parameters(diff.make_model(seed=0)), rtol=0)
 
 
-@pytest.mark.parametrize("how", ["ignored_modules", "ignored_states_modules", "ignored_states_params"])
+@pytest.mark.parametrize("how", ["ignored_modules", "ignored_states_modules", "ignored_states_params",
+                                 "ignored_params_inside_a_unit"])
 @distributed_test(world_size=2)
 def test_ignored_states_train_like_fsdp1(how):
     diff.quiet()
@@ -265,13 +266,17 @@ def test_ignored_states_train_like_fsdp1(how):
         inner = diff.make_model()
         ignored = {"ignored_modules": {"ignored_modules": [inner.ln_f]},
                    "ignored_states_modules": {"ignored_states": [inner.ln_f]},
-                   "ignored_states_params": {"ignored_states": list(inner.ln_f.parameters())}}[how]
+                   "ignored_states_params": {"ignored_states": list(inner.ln_f.parameters())},
+                   "ignored_params_inside_a_unit": {"ignored_states": [inner.blocks[0].mlp.fc.weight]}}[how]
         model = wrapper_class(inner, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True,
                               **ignored, **extra)
         return model, inner
 
     model, inner = build(FSDP, {})
-    assert not isinstance(inner.ln_f.weight, DTensor) and inner.ln_f.weight.shape == (GPTConfig().n_embd,)
+    ignored = inner.blocks[0].mlp.fc.weight if how == "ignored_params_inside_a_unit" else inner.ln_f.weight
+    assert not isinstance(ignored, DTensor)
+    assert ignored.shape == diff.make_model().get_parameter(
+        "blocks.0.mlp.fc.weight" if how == "ignored_params_inside_a_unit" else "ln_f.weight").shape
     losses = diff.train(model, diff.make_optimizer("adamw", model.parameters()), 3)
     if diff.HAVE_FSDP1:
         theirs, _ = build(diff.TorchFSDP, diff.fsdp1_kwargs())
