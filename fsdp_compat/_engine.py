@@ -7,44 +7,75 @@ upgrade that moves the internals breaks this file only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-# Public FSDP2 entry points. ``replicate`` (the FSDP2-based one) lives in a private package.
-from torch.distributed.fsdp._fully_shard import (
+# Public FSDP2 entry points.
+from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
 )
+
+# ``replicate`` (the FSDP2-based one) lives in a private package.
 from torch.distributed._composable.replicate_with_fsdp import replicate
 
 # Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
-import copy
-from collections.abc import Callable
-
-import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import unsafe_setattr_param
 
+# Torch-private names outside FSDP2 (see the last section).
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import _IncompatibleKeys
+
+try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+except ImportError:  # pragma: no cover - depends on the torch version
+    ShardedTensor = None  # type: ignore[assignment, misc]
+
 __all__ = [
+    "BatchNormBase",
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GradScalerBase",
+    "IncompatibleKeys",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardedTensor",
     "apply_engine",
+    "engine_module",
     "engine_state",
-    "param_groups",
+    "flatten_mesh",
+    "gradient_sync_flags",
+    "install_comm_hook",
+    "is_root_state_initialized",
+    "iteration_in_progress",
+    "local_shape_and_offset",
+    "log_api_usage",
     "managed_params",
-    "is_sharded_param",
+    "param_groups",
+    "recover_interrupted_iteration",
+    "register_param",
+    "registered_child",
+    "reset_iteration",
+    "set_gradient_sync_flags",
+    "set_sharded_param_dtype",
+    "sharded_params",
+    "sharded_tensor_group",
+    "sparse_values",
+    "unit_param_slots",
 ]
 
 
@@ -90,22 +121,10 @@ def managed_params(module: nn.Module) -> Iterator[Any]:
         yield from group.fsdp_params
 
 
-def is_sharded_param(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is an engine-managed (DTensor) parameter."""
-    return isinstance(tensor, DTensor)
-
-
 def is_root_state_initialized(module: nn.Module) -> bool:
     """Whether the engine has run its lazy initialisation (root chosen) for ``module``'s unit."""
     state = engine_state(module)
     return state is not None and state._is_root is not None
-
-
-def lazy_init(module: nn.Module) -> None:
-    """Run the engine's lazy initialisation with ``module``'s unit as root (idempotent)."""
-    state = engine_state(module)
-    if state is not None:
-        state._lazy_init()
 
 
 def reset_iteration(module: nn.Module) -> None:
@@ -277,3 +296,84 @@ def engine_module(module: nn.Module) -> nn.Module:
     while not isinstance(module, FSDPModule) and hasattr(module, "_checkpoint_wrapped_module"):
         module = module._checkpoint_wrapped_module
     return module
+
+
+# ---- torch-private names outside FSDP2, each with why no public API serves ----
+
+# FSDP1's ``MixedPrecision._module_classes_to_ignore`` default. The public batch-norm classes
+# (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, the lazy ones) and users' own norms all derive from
+# it, so only this base class matches what FSDP1 matches.
+BatchNormBase = _BatchNorm
+
+# What ``nn.Module.load_state_dict`` returns (a named tuple of missing and unexpected keys).
+IncompatibleKeys = _IncompatibleKeys
+
+
+def log_api_usage(event: str) -> None:
+    """Record ``event`` in torch's API-usage log, as torch's own modules (and FSDP1) do."""
+    torch._C._log_api_usage_once(event)
+
+
+def flatten_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A 1-D mesh over all ranks of ``mesh`` (``DeviceMesh`` has no public flatten)."""
+    return mesh._flatten()
+
+
+def local_shape_and_offset(like: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offset of ``like``'s local shard on this rank (uneven, empty included).
+
+    Public ``distribute_tensor(full, src_data_rank=None)`` finds the same slice, but moves the
+    whole ``full`` tensor to the mesh's device first and returns a view of it; callers copy
+    only this rank's slice, wherever the shard lives (CPU offload).
+    """
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return tuple(shape), tuple(offset)
+
+
+def sharded_tensor_group(value: Any) -> dist.ProcessGroup:
+    """The process group an FSDP1 ``ShardedTensor`` is sharded over (not exposed publicly)."""
+    return value._process_group
+
+
+def registered_child(module: nn.Module, name: str) -> nn.Module | None:
+    """``module``'s child registered as ``name``, or ``None``: exactly the registry that state-dict
+    keys come from (``getattr`` would also find plain attributes and properties)."""
+    return module._modules.get(name)
+
+
+def sparse_values(grad: torch.Tensor) -> torch.Tensor:
+    """The values of a sparse ``grad`` whether or not it is coalesced (public ``values()``
+    requires coalesced; torch's own scalers read these)."""
+    return grad._values()
+
+
+class GradScalerBase(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` with the private pieces a sharded scaler needs given public names.
+
+    ``unscale_local_grads`` replaces the base class's ``_unscale_grads_`` (called by ``unscale_``
+    and by ``step`` for optimizers that unscale themselves); by default it does what the base
+    class does.
+    """
+
+    def scale_tensor(self, device: torch.device) -> torch.Tensor:
+        """The scale as a tensor, created on ``device`` at first use (as ``scale()`` does)."""
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        assert self._scale is not None
+        return self._scale
+
+    def unscale_local_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                            found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """Unscale ``optimizer``'s gradients in place; return each device's found-inf flag."""
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        return self.unscale_local_grads(optimizer, inv_scale, found_inf, allow_fp16)
+
+    @staticmethod
+    def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
+                           inv_scale: torch.Tensor) -> None:
+        """Multiply ``grads`` (one device and dtype) by ``inv_scale`` in place; set ``found_inf``
+        to 1 if any holds inf/NaN (torch's fused kernel; no public entry point)."""
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

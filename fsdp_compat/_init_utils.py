@@ -159,27 +159,28 @@ class MetaMaterializer:
         """
         found_meta = False
         already_initialized: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for registry in (module._parameters, module._buffers):
-            for name, tensor in registry.items():
-                if tensor is None or not tensor.is_meta:
-                    continue
-                found_meta = True
-                earlier = self._materialized.get(id(tensor))
-                replacement = earlier() if earlier is not None else None
-                if replacement is not None:
-                    already_initialized.append((replacement, replacement.detach().clone()))
-                else:
-                    replacement = torch.empty_like(tensor, device=self.device)
-                    if isinstance(tensor, nn.Parameter):
-                        replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
-                    self._materialized[id(tensor)] = weakref.ref(replacement)
-                    self._keep_alive.append(tensor)
-                registry[name] = replacement
+        own = [*module.named_parameters(recurse=False, remove_duplicate=False),
+               *module.named_buffers(recurse=False, remove_duplicate=False)]
+        for name, tensor in own:
+            if not tensor.is_meta:
+                continue
+            found_meta = True
+            earlier = self._materialized.get(id(tensor))
+            replacement = earlier() if earlier is not None else None
+            if replacement is not None:
+                already_initialized.append((replacement, replacement.detach().clone()))
+            else:
+                replacement = torch.empty_like(tensor, device=self.device)
+                if isinstance(tensor, nn.Parameter):
+                    replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
+                self._materialized[id(tensor)] = weakref.ref(replacement)
+                self._keep_alive.append(tensor)
+            setattr(module, name, replacement)  # re-registers under the same kind and name
         return already_initialized if found_meta else None
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._collectives import communication_device
+from ._engine import flatten_mesh
 from .api import ShardingStrategy
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -78,7 +79,7 @@ def flatten_to_1d(mesh: DeviceMesh) -> DeviceMesh:
         return mesh
     key = ("flat", mesh)
     if key not in _mesh_cache:
-        _mesh_cache[key] = mesh._flatten()
+        _mesh_cache[key] = flatten_mesh(mesh)
     return _mesh_cache[key]
 
 

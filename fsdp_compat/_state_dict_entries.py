@@ -73,8 +73,8 @@ def _entries(wrapper: FullyShardedDataParallel) -> tuple[list[_Entry], OrderedDi
                        summoned=unit.training_state == TrainingState.SUMMON_FULL_PARAMS)
         if owner is not None:
             entry.sharded = sharded_by_slot.get((id(owner), attr))
-            entry.is_buffer = attr in owner._buffers
-            entry.is_plain_param = entry.sharded is None and attr in owner._parameters
+            entry.is_buffer = attr in _own_buffer_names(owner)
+            entry.is_plain_param = entry.sharded is None and attr in _own_param_names(owner)
         if entry.sharded is not None and isinstance(value, DTensor):
             entry.sharded = value  # the registered parameter wins if the user swapped one in
         entries.append(entry)
@@ -88,7 +88,7 @@ def _locate(wrapper: FullyShardedDataParallel, raw_key: str) -> tuple[nn.Module 
     unit = wrapper
     wrapper_class = type(wrapper)
     for segment in path:
-        child = _inside_checkpoint_wrappers(module, segment)._modules.get(segment)
+        child = _engine.registered_child(_inside_checkpoint_wrappers(module, segment), segment)
         if child is None:  # a key renamed by a module's own state-dict hook
             return None, attr, unit
         module = child
@@ -100,13 +100,25 @@ def _locate(wrapper: FullyShardedDataParallel, raw_key: str) -> tuple[nn.Module 
 def _inside_checkpoint_wrappers(module: nn.Module, name: str) -> nn.Module:
     """Activation-checkpoint wrappers drop their own name from state-dict keys (a hook of theirs):
     the module that really has ``name`` may be inside them."""
-    while not _has_member(module, name) and CHECKPOINT_WRAPPED_MODULE in module._modules:
-        module = module._modules[CHECKPOINT_WRAPPED_MODULE]
+    while not _has_member(module, name):
+        inner = _engine.registered_child(module, CHECKPOINT_WRAPPED_MODULE)
+        if inner is None:
+            break
+        module = inner
     return module
 
 
 def _has_member(module: nn.Module, name: str) -> bool:
-    return name in module._modules or name in module._parameters or name in module._buffers
+    return (_engine.registered_child(module, name) is not None or name in _own_param_names(module)
+            or name in _own_buffer_names(module))
+
+
+def _own_param_names(module: nn.Module) -> set[str]:
+    return {name for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)}
+
+
+def _own_buffer_names(module: nn.Module) -> set[str]:
+    return {name for name, _ in module.named_buffers(recurse=False, remove_duplicate=False)}
 
 
 def _clean_module_path(path: str) -> str:

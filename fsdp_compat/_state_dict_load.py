@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _engine
+from ._engine import IncompatibleKeys
 from ._collectives import broadcast_object
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_name
 from ._full_tensors import sharded_tensor_local_piece
@@ -57,7 +57,7 @@ class _Incoming:
 
 
 def load_state_dict(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any],
-                    strict: bool = True, assign: bool = False) -> _IncompatibleKeys:
+                    strict: bool = True, assign: bool = False) -> IncompatibleKeys:
     """Load ``state_dict`` into ``wrapper``: all of it on every rank, or (raising) nothing anywhere.
 
     Accepted values, whatever the type: plain tensors (full ones; this rank's pieces under
@@ -88,12 +88,12 @@ def load_state_dict(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, 
     finally:
         _loading.reset(token)
     _copy_into_summoned(summoned)
-    return _IncompatibleKeys(missing, unexpected)
+    return IncompatibleKeys(missing, unexpected)
 
 
 def register_load_hooks(wrapper: FullyShardedDataParallel) -> None:
     """Let a plain module holding the wrapper load it (``DDP(FSDP(model))``), as FSDP1 does."""
-    wrapper._register_load_state_dict_pre_hook(_load_inside_plain_module, with_module=True)
+    wrapper.register_load_state_dict_pre_hook(_load_inside_plain_module)
     wrapper.register_load_state_dict_post_hook(_forget_wrapped_missing_keys)
 
 
@@ -115,7 +115,7 @@ def _load_inside_plain_module(wrapper: FullyShardedDataParallel, state_dict: dic
     unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
 
 
-def _forget_wrapped_missing_keys(wrapper: FullyShardedDataParallel, incompatible_keys: _IncompatibleKeys) -> None:
+def _forget_wrapped_missing_keys(wrapper: FullyShardedDataParallel, incompatible_keys: IncompatibleKeys) -> None:
     """After :func:`_load_inside_plain_module`, nn.Module reports the tree's wrapper-prefixed keys
     missing (it was handed none); they were loaded under their clean names."""
     if _loading.get() or not wrapper._is_root:

@@ -13,16 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-# The local slice of a DTensor layout on this rank (uneven and empty shards included).
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
 from ._collectives import communication_device
+from ._engine import ShardedTensor, local_shape_and_offset, sharded_tensor_group
 from ._full_tensors import gather_full_tensors
-
-try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-except ImportError:  # pragma: no cover - depends on the torch version
-    ShardedTensor = None  # type: ignore[assignment, misc]
 
 __all__ = [
     "copy_to",
@@ -110,8 +103,7 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     ``torch.chunk`` sharding (uneven and empty shards included) taken from ``like`` itself.
     """
     local_like = like.to_local()
-    local_shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh,
-                                                                like.placements)
+    local_shape, offset = local_shape_and_offset(like)
     index = tuple(slice(start, start + size) for start, size in zip(offset, local_shape))
     local = torch.empty(local_shape, dtype=full.dtype, device=local_like.device)
     local.copy_(full[index])
@@ -122,7 +114,7 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
 def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
     """Gather an FSDP1 ``ShardedTensor`` on every rank: each shard is broadcast by its owner."""
     metadata = value.metadata()
-    group = value._process_group
+    group = sharded_tensor_group(value)
     device = communication_device(group)
     dtype = metadata.tensor_properties.dtype
     mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in value.local_shards()}

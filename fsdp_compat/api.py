@@ -18,7 +18,8 @@ from enum import Enum, auto
 from typing import Any, TypeVar
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._engine import BatchNormBase
 
 __all__ = [
     "ShardingStrategy",
@@ -98,7 +99,7 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
-    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (_BatchNorm,)
+    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (BatchNormBase,)
 
 
 @dataclass

@@ -95,7 +95,7 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
         device_mesh: DeviceMesh | None = None,
     ) -> None:
-        torch._C._log_api_usage_once("fsdp_compat.FullyShardedDataParallel")
+        _engine.log_api_usage("fsdp_compat.FullyShardedDataParallel")
         super().__init__()
         check_module(module)
         if process_group is not None and device_mesh is not None:

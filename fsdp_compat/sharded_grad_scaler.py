@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ._engine import GradScalerBase, sparse_values
+
 __all__ = ["ShardedGradScaler"]
 
 
-class ShardedGradScaler(torch.amp.GradScaler):
+class ShardedGradScaler(GradScalerBase):
     """``torch.amp.GradScaler`` whose inf/NaN verdict is agreed across ranks (FSDP1's API).
 
     Args:
@@ -58,17 +60,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
         """Multiply ``outputs`` (a tensor or nested iterables of tensors) by the scale, keeping
         each tensor's dtype."""
-        if not self._enabled:
+        if not self.is_enabled():
             return outputs
         if isinstance(outputs, torch.Tensor):
             return self._scale_one(outputs)
         return self._scale_nested(outputs)
 
     def _scale_one(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(tensor.device)
-        assert self._scale is not None
-        scaled = tensor * self._scale.to(device=tensor.device, non_blocking=True)
+        scaled = tensor * self.scale_tensor(tensor.device).to(device=tensor.device, non_blocking=True)
         return scaled.type(tensor.dtype)
 
     def _scale_nested(self, value: Any) -> Any:
@@ -79,7 +78,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
-    def _unscale_grads_(
+    def unscale_local_grads(
         self,
         optimizer: torch.optim.Optimizer,
         inv_scale: torch.Tensor,
@@ -97,18 +96,17 @@ class ShardedGradScaler(torch.amp.GradScaler):
             for (device, _dtype), grads in _local_grads_by_device_and_dtype(optimizer).items():
                 if device not in per_device_found_inf:
                     per_device_found_inf[device] = found_inf.to(device, copy=True)
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    grads, per_device_found_inf[device], inv_scale.to(device))
-        assert self._scale is not None
+                self.unscale_and_check_(grads, per_device_found_inf[device], inv_scale.to(device))
+        scale_device = self.scale_tensor(found_inf.device).device
         # Ranks whose shards are all empty still take part (and need a flag for step/update).
-        per_device_found_inf.setdefault(self._scale.device, found_inf.to(self._scale.device, copy=True))
-        self._agree_across_ranks(per_device_found_inf)
+        per_device_found_inf.setdefault(scale_device, found_inf.to(scale_device, copy=True))
+        self._agree_across_ranks(per_device_found_inf, scale_device)
         return per_device_found_inf
 
-    def _agree_across_ranks(self, per_device_found_inf: dict[torch.device, torch.Tensor]) -> None:
+    def _agree_across_ranks(self, per_device_found_inf: dict[torch.device, torch.Tensor],
+                            scale_device: torch.device) -> None:
         """One MAX all-reduce, whatever the devices, so every rank issues the same collective."""
-        assert self._scale is not None
-        verdict = torch.stack([flag.to(self._scale.device).reshape(()) for flag in
+        verdict = torch.stack([flag.to(scale_device).reshape(()) for flag in
                                per_device_found_inf.values()]).amax()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -139,4 +137,4 @@ def _coalesced_values(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if grad.dtype is torch.float16:
         grad = grad.type(torch.float32).coalesce().type(torch.float16)
         param.grad = grad
-    return grad._values()
+    return sparse_values(grad)
