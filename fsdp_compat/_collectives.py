@@ -1,8 +1,4 @@
-"""Object collectives built on tensor collectives.
-
-torch's ``*_object`` collectives turn received CPU tensors back into bytes through numpy, which
-fsdp_compat does not depend on; these pickle into a byte tensor and decode without it.
-"""
+"""Object collectives: torch's where they match ours, ours where torch's cost more collectives."""
 
 from __future__ import annotations
 
@@ -22,28 +18,23 @@ def communication_device(group: Any = None) -> torch.device:
 
 
 def broadcast_object(value: Any, group: Any = None, source_group_rank: int = 0) -> Any:
-    """``value`` from the rank ``source_group_rank`` of ``group`` on every rank of ``group``."""
-    device = communication_device(group)
-    is_source = dist.get_rank(group) == source_group_rank
-    payload = _to_bytes(value, device) if is_source else None
-    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    source = dist.get_global_rank(group, source_group_rank) if group is not None else source_group_rank
-    dist.broadcast(size, src=source, group=group)
-    if payload is None:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=source, group=group)
-    return value if is_source else pickle.loads(bytes(payload.cpu().tolist()))
+    """``value`` from the rank ``source_group_rank`` of ``group`` on every rank of ``group``
+    (two broadcasts: size, then payload). The source gets ``value`` itself back."""
+    objects = [value if dist.get_rank(group) == source_group_rank else None]
+    dist.broadcast_object_list(objects, group=group, group_src=source_group_rank,
+                               device=communication_device(group))
+    return objects[0]
 
 
 def same_on_all_ranks(value: Any, group: Any = None) -> bool:
-    """Whether every rank of ``group`` holds an equal (pickled-identical) ``value``: compares digests."""
+    """Whether every rank of ``group`` holds an equal (pickled-identical) ``value``: compares digests.
+
+    One all-gather of fixed-size digests; ``dist.all_gather_object`` would need two (sizes, then
+    payloads) and send whole objects.
+    """
     device = communication_device(group)
     digest = torch.tensor(list(hashlib.sha256(pickle.dumps(value)).digest()), dtype=torch.uint8,
                           device=device)
     everyone = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, digest, group=group)
     return all(torch.equal(other, digest) for other in everyone)
-
-
-def _to_bytes(value: Any, device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)

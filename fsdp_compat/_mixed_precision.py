@@ -91,7 +91,8 @@ def engine_offload_policy(cpu_offload: CPUOffload, device: torch.device) -> Offl
 _input_dtype_of: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
 
 
-def prepare_individually_wrapped(module: nn.Module, mixed_precision: MixedPrecision | None) -> tuple[type[nn.Module], ...]:
+def prepare_individually_wrapped(module: nn.Module,
+                                 mixed_precision: MixedPrecision | None) -> tuple[type[nn.Module], ...]:
     """FSDP1's treatment of ``_module_classes_to_ignore`` under an auto-wrap policy.
 
     Returns the classes that the wrap planner must wrap on their own with ``mixed_precision=None``.

@@ -276,7 +276,8 @@ class FullyShardedDataParallel(nn.Module):
             self._record_forward_order()
             return self._fsdp_wrapped_module(*args, **kwargs)
 
-    def _root_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _root_pre_forward(self, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         units = self.fsdp_modules(self)  # walked once per step, shared by the steps below
         _runtime.check_idle_for_forward(units)
         _runtime.recover_interrupted_iteration(self)
@@ -332,7 +333,8 @@ class FullyShardedDataParallel(nn.Module):
                 module, previous.state_dict_type, previous.state_dict_config,
                 previous.optim_state_dict_config)
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
         """The model state in the current state-dict type, with FSDP1's clean keys."""
         return _state_dict.state_dict(self, *args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)

@@ -114,7 +114,8 @@ class ShardedGradScaler(GradScalerBase):
             flag.copy_(verdict.to(flag.device).reshape(flag.shape))
 
 
-def _local_grads_by_device_and_dtype(optimizer: torch.optim.Optimizer) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+def _local_grads_by_device_and_dtype(
+        optimizer: torch.optim.Optimizer) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """The tensors to check and unscale: each gradient's local shard (its ``_values()`` if sparse)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for group in optimizer.param_groups:

@@ -62,7 +62,7 @@ class ModuleWrapPolicy(_Policy):
         }
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
-        return True if recurse else isinstance(module, tuple(self._module_classes))
+        return _wrap_module_classes_individually(module, recurse, 0, tuple(self._module_classes))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._module_classes_str})"
@@ -116,7 +116,7 @@ def transformer_auto_wrap_policy(
     transformer_layer_cls: set[type[nn.Module]],
 ) -> bool:
     """Wrap every instance of ``transformer_layer_cls`` (use with ``functools.partial``)."""
-    return True if recurse else isinstance(module, tuple(transformer_layer_cls))
+    return _wrap_module_classes_individually(module, recurse, nonwrapped_numel, tuple(transformer_layer_cls))
 
 
 def size_based_auto_wrap_policy(
@@ -145,6 +145,7 @@ size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type
 def _wrap_module_classes_individually(
     module: nn.Module, recurse: bool, nonwrapped_numel: int, module_classes: tuple[type, ...]
 ) -> bool:
+    """The class-based policies' one rule: descend everywhere, wrap instances of ``module_classes``."""
     return True if recurse else isinstance(module, tuple(module_classes))
 
 

@@ -68,11 +68,10 @@ def test_sync_module_states_on_a_hybrid_mesh_gives_every_rank_rank0_values():
     diff.assert_close_dicts(diff.full_parameters(model), diff.full_parameters(diff.make_model(seed=0)), rtol=0)
 
 
-def _tiny_gradients(model: nn.Module) -> None:
-    """Gradients with a total norm near 1e-5, where ``+ 1e-6`` changes the coefficient by ~10%."""
+def _backward(model: nn.Module, loss_scale: float) -> None:
     torch.manual_seed(0)
     inputs = torch.randn(4, 8, device=diff.device())
-    (model(inputs).sum() * 1e-7).backward()
+    (model(inputs).sum() * loss_scale).backward()
 
 
 @distributed_test(world_size=2)
@@ -81,12 +80,16 @@ def test_clip_coefficient_adds_1e_minus_6_to_the_total_norm():
     reference = nn.Linear(8, 8, device=diff.device())
     torch.manual_seed(0)
     model = FSDP(nn.Linear(8, 8, device=diff.device()), use_orig_params=True)
-    _tiny_gradients(model)
-    _tiny_gradients(reference)
+    _backward(reference, 1.0)
+    unit_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    reference.zero_grad()
+    # Total norm 1e-5 clipped to 1e-6: the coefficient is 1/11 with ``+ 1e-6``, 1/10 without.
+    loss_scale = 1e-5 / unit_norm
+    _backward(reference, loss_scale)
+    _backward(model, loss_scale)
     max_norm = 1e-6
     total = model.clip_grad_norm_(max_norm)
     expected_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
-    assert 5e-6 < expected_total.item() < 5e-5  # so the 1e-6 is a visible part of the divisor
     torch.testing.assert_close(total.cpu(), expected_total.cpu(), rtol=1e-5, atol=0)
     expected = {name: p.grad.detach().cpu() for name, p in reference.named_parameters()}
     diff.assert_close_dicts(diff.full_gradients(model), expected, rtol=1e-4, what="clipped grads")
