@@ -168,6 +168,10 @@ def _total_norm(groups: list[_GradGroup], norm_type: float, device: torch.device
 
     Each sharded group is reduced over its shard dimensions only, so a hybrid replica's copy is
     not counted twice; the replicated group is added once, unreduced, as in FSDP1.
+
+    Not ``torch.nn.utils.get_total_norm``: it cannot mix DTensor gradients with plain ones
+    (``NO_SHARD``, ignored parameters) nor DTensors on different meshes (hybrid and non-hybrid
+    units in one model), which every FSDP1 model may have.
     """
     infinite = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
