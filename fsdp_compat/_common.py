@@ -44,3 +44,8 @@ def warn_once(key: str, message: str) -> None:
         return
     _warned.add(key)
     warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def forget_warnings() -> None:
+    """Let every :func:`warn_once` warning be given again (a new test, as in a new process)."""
+    _warned.clear()

@@ -32,6 +32,7 @@ Environment variables:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.connection as mp_connection
@@ -44,8 +45,9 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -200,13 +202,25 @@ def _run_body(data: bytes, rank_: int, backend: str) -> _Reply:
         torch.manual_seed(0)
         if _needs_cuda(backend):
             torch.cuda.set_device(rank_)  # a previous body may have changed it
-        return ("ok", fn(*args, **kwargs))
+        with _as_in_a_fresh_process():
+            return ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # pytest.fail/skip and SystemExit are BaseExceptions
         if _is_pytest_skip(exc):
             return ("skip", str(getattr(exc, "msg", exc)))
         # Drop this frame: the report should start at the body, not the harness.
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None
         return ("err", "".join(traceback.format_exception(type(exc), exc, tb)))
+
+
+@contextlib.contextmanager
+def _as_in_a_fresh_process() -> Iterator[None]:
+    """Run a body as if its worker were new: the warning filters it installs are undone when it
+    ends, and warnings the library gives once per process may be given again."""
+    from . import _common  # here, not at import: the pool itself does not need the library
+
+    _common.forget_warnings()
+    with warnings.catch_warnings():
+        yield
 
 
 def _worker_main(

@@ -219,3 +219,40 @@ def test_private_pool_context_manager_closes_workers() -> None:
     assert all(p.exitcode == 0 for p in procs)  # stopped cleanly, not killed
     with pytest.raises(RuntimeError, match="closed"):
         pool.run(_whoami, "z")
+
+
+def _silence_all_warnings() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+
+def _user_warning_is_shown() -> bool:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("shown?", UserWarning)
+    return len(caught) == 1
+
+
+def _moot_option_warnings() -> int:
+    import warnings
+
+    import torch.nn as nn
+
+    from fsdp_compat import FullyShardedDataParallel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FullyShardedDataParallel(nn.Linear(4, 4), limit_all_gathers=False)
+    return sum("limit_all_gathers" in str(w.message) for w in caught)
+
+
+def test_warning_filters_a_body_installs_are_gone_in_the_next() -> None:
+    run_on_ranks(_silence_all_warnings, 2)
+    assert run_on_ranks(_user_warning_is_shown, 2) == [True, True]
+
+
+def test_once_per_process_warnings_are_given_again_in_the_next_body() -> None:
+    assert run_on_ranks(_moot_option_warnings, 2) == [1, 1]
+    assert run_on_ranks(_moot_option_warnings, 2) == [1, 1]
