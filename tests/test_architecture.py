@@ -17,8 +17,15 @@ import pytest
 import fsdp_compat
 
 PACKAGE = pathlib.Path(fsdp_compat.__file__).parent
-LIBRARY = sorted(PACKAGE.glob("*.py"))
-OUTSIDE_ADAPTER = [path for path in LIBRARY if not path.name.startswith("_engine")]
+LIBRARY = sorted(PACKAGE.rglob("*.py"))
+
+
+def _in_adapter(path: pathlib.Path) -> bool:
+    """``fsdp_compat/_engine.py`` or anything in an ``fsdp_compat/_engine/`` package."""
+    return path.relative_to(PACKAGE).parts[0].startswith("_engine")
+
+
+OUTSIDE_ADAPTER = [path for path in LIBRARY if not _in_adapter(path)]
 # The demo's ``--compare-fsdp1`` runs torch's FSDP1 side by side on purpose; the library never does.
 RUNS_ON_OUR_CODE = [path for path in LIBRARY if path.name != "demo.py"]
 
@@ -114,7 +121,7 @@ def _location(path: pathlib.Path, line: int) -> str:
     return f"{path.relative_to(PACKAGE.parent)}:{line}"
 
 
-@pytest.mark.parametrize("path", OUTSIDE_ADAPTER, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", OUTSIDE_ADAPTER, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_private_torch_import_outside_the_adapter(path: pathlib.Path) -> None:
     offending = [
         f"{_location(path, line)} imports {module}{'.' + name if name else ''}"
@@ -125,7 +132,7 @@ def test_no_private_torch_import_outside_the_adapter(path: pathlib.Path) -> None
     assert not offending, "torch-private imports belong in fsdp_compat/_engine.py:\n" + "\n".join(offending)
 
 
-@pytest.mark.parametrize("path", OUTSIDE_ADAPTER, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", OUTSIDE_ADAPTER, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_private_torch_attribute_outside_the_adapter(path: pathlib.Path) -> None:
     tree = _tree(path)
     torch_names = _names_bound_to_torch(tree)
@@ -148,7 +155,8 @@ def test_no_private_torch_attribute_outside_the_adapter(path: pathlib.Path) -> N
 def _library_classes() -> list[type]:
     classes = []
     for path in OUTSIDE_ADAPTER:
-        module = importlib.import_module(f"fsdp_compat.{path.stem}")
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        module = importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
         classes += [value for _, value in inspect.getmembers(module, inspect.isclass)
                     if value.__module__ == module.__name__]
     return classes
@@ -163,7 +171,7 @@ def test_no_torch_private_method_overridden_outside_the_adapter(cls: type) -> No
                             "only fsdp_compat/_engine.py may depend on torch internals")
 
 
-@pytest.mark.parametrize("path", RUNS_ON_OUR_CODE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RUNS_ON_OUR_CODE, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_library_never_imports_fsdp1(path: pathlib.Path) -> None:
     offending = []
     for line, module, name in _imports(_tree(path)):
@@ -171,7 +179,7 @@ def test_library_never_imports_fsdp1(path: pathlib.Path) -> None:
         fsdp1_module = any(full == m or full.startswith(m + ".") for m in FSDP1_MODULES)
         fsdp1_name = module == "torch.distributed.fsdp" and name in FSDP1_NAMES
         private_fsdp = (full.startswith("torch.distributed.fsdp._")
-                        and not (path.name.startswith("_engine")
+                        and not (_in_adapter(path)
                                  and full.startswith("torch.distributed.fsdp._fully_shard")))
         if fsdp1_module or fsdp1_name or private_fsdp:
             offending.append(f"{_location(path, line)} imports {full}")
