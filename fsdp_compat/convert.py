@@ -152,9 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if started:
         _init_process_group(args.backend)
     try:
-        device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
         convert_local_checkpoint(model, args.checkpoint, args.output, output_format=args.format,
-                                 ignored_modules=args.ignored_modules, device=device)
+                                 ignored_modules=args.ignored_modules)
         if dist.get_rank() == 0:
             print(f"wrote {args.output} ({args.format})")
     finally:

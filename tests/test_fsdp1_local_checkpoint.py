@@ -104,8 +104,8 @@ def assert_raises_everywhere_and_changes_nothing(model: FSDP, state_dict: dict, 
 def test_other_wrapping_raises_on_every_rank_and_changes_nothing():
     model = ours(unit_classes=(golden.Outer, golden.Gate))  # inner's parameters now in outer's unit
     message = assert_raises_everywhere_and_changes_nothing(
-        model, golden_rank_file(False), "'outer._flat_param'", "'outer'", "flat size is 30 in shards of 15", "lays out 48",
-        "save it as FULL_STATE_DICT or SHARDED_STATE_DICT")
+        model, golden_rank_file(False), "'outer._flat_param'", "'outer'", "flat size is 30 in shards of 15",
+        "lays out 48", "save it as FULL_STATE_DICT or SHARDED_STATE_DICT")
     assert "'outer.inner._flat_param'" in message, message  # a unit the model no longer has
 
 
