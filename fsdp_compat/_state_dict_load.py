@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _engine
+from . import _engine, _flat_checkpoint
 from ._engine import IncompatibleKeys
 from ._collectives import broadcast_object
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_name
@@ -72,6 +72,8 @@ def load_state_dict(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, 
     _reshard_units(wrapper)
     entries, _ = _entries(wrapper)
     state_dict = _as_given_by_distributed_checkpoint(wrapper, state_dict, entries)
+    if state_dict_type == StateDictType.LOCAL_STATE_DICT:
+        state_dict = _from_fsdp1_flat_params(wrapper, state_dict, entries)
     incoming, missing, unexpected = _match_keys(entries, state_dict)
     errors = _key_errors(missing, unexpected, strict)
     errors += [e for item in incoming for e in _value_errors(item, state_dict_type)]
@@ -164,6 +166,21 @@ def _copy_into_summoned(summoned: list[_Incoming]) -> None:
         item.entry.value.copy_(to_full(item.value))
 
 
+def _from_fsdp1_flat_params(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any],
+                            entries: list[_Entry]) -> Mapping[str, Any]:
+    """FSDP1's LOCAL format (one flat parameter per unit) as per-parameter values (see
+    ``_flat_checkpoint``). Ranks agree first on whether any of them holds flat parameters, then
+    on whether they fit this model; a misfit raises ``ValueError`` everywhere, nothing loaded."""
+    # ``_failed_ranks`` lists the ranks whose flag is set: here, those holding flat parameters.
+    if not _failed_ranks(wrapper, _flat_checkpoint.holds_flat_params(state_dict)):
+        return state_dict
+    units, errors = _flat_checkpoint.plan(wrapper, state_dict)
+    failed = _failed_ranks(wrapper, bool(errors))
+    if failed:
+        raise ValueError(_flat_checkpoint.misfit_message(errors, failed))
+    return _flat_checkpoint.unflatten(units, state_dict, entries)
+
+
 def _match_keys(entries: list[_Entry], state_dict: Mapping[str, Any]) -> tuple[list[_Incoming], list[str], list[str]]:
     expected = {entry.key for entry in entries}
     incoming = [_Incoming(entry, state_dict[entry.key]) for entry in entries if entry.key in state_dict]
@@ -229,9 +246,9 @@ def _key_errors(missing: list[str], unexpected: list[str], strict: bool) -> list
     if unexpected:
         errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
         if any(key.endswith(_FLAT_PARAM) for key in unexpected):
-            errors.append("This looks like a torch-FSDP1 LOCAL_STATE_DICT (flat parameters), which "
-                          "has no meaning without FSDP1's FlatParameter: save it from FSDP1 as "
-                          "FULL_STATE_DICT or SHARDED_STATE_DICT instead.")
+            errors.append("This looks like a torch-FSDP1 LOCAL_STATE_DICT (flat parameters): load it "
+                          "under StateDictType.LOCAL_STATE_DICT, with the world size and wrapping it "
+                          "was written with.")
     return errors
 
 

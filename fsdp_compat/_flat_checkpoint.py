@@ -1,0 +1,256 @@
+"""torch FSDP1's LOCAL_STATE_DICT checkpoints (one flat parameter per unit), read per parameter.
+
+FSDP1 keeps each unit's parameters in one 1-D ``FlatParameter``; its LOCAL state dict holds, per
+unit with parameters, a ``ShardedTensor`` keyed ``<unit path>._flat_param`` with this rank's slice
+of it. The engine has no flat parameter, so the layout is rebuilt from the module, following the
+rules of FSDP1's ``_flat_param.py`` (torch 2.x):
+
+* Order: the unit's parameters in a pre-order walk of its module tree (``named_modules``), each at
+  its first registration, so a tied weight is flattened once. Parameters of nested units and
+  ignored ones are not in it.
+* ``use_orig_params=True`` pads before each parameter up to a multiple of 16 bytes of the unit's
+  compute dtype (``MixedPrecision.param_dtype``, else the parameter's), then pads the total to a
+  multiple of the world size. ``use_orig_params=False`` pads neither.
+* Rank ``r`` of the unit's (shard) group owns elements ``[r*c, (r+1)*c)`` of the total ``N``,
+  ``c = ceil(N / world size)``; the ``ShardedTensor`` has global size ``N`` and holds the owned
+  elements below ``N`` (no local shard when there are none).
+* ``NO_SHARD`` units have no flat parameter in FSDP1's LOCAL state dicts (FSDP1 gives FULL ones).
+* ``use_orig_params=True`` also saves each parameter's part of this rank's slice under the
+  parameter's name. Those are views of the same elements: the flat parameter is read instead.
+
+Which padding the checkpoint has is read off its size: the layout of this wrapper's own settings
+first, then that of the other ``use_orig_params`` (and other compute dtypes), since users moving
+off FSDP1 often change ``use_orig_params``. A size matching none of them means another world size
+or wrapping, which no local reading can fix.
+
+Checks here are local; the caller agrees on them across ranks before :func:`unflatten` (which
+communicates: one all-gather per unit over its shard group) runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from . import _engine
+from ._collectives import communication_device
+from ._common import wrappers_in
+from ._state_dict_entries import _clean_module_path, _Entry
+from ._tensor_layout import shard_like
+from .api import ShardingStrategy
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = ["FLAT_PARAM", "FlatUnit", "holds_flat_params", "misfit_message", "plan", "unflatten"]
+
+FLAT_PARAM = "_flat_param"
+_ALIGNMENT_BYTES = 16  # FSDP1's address alignment under use_orig_params=True (for TorchInductor)
+_WHAT_TO_DO = ("Load it with the world size and wrapping it was written with, save it as "
+               "FULL_STATE_DICT or SHARDED_STATE_DICT (which load at any world size) and load that; "
+               "`python -m fsdp_compat.convert` does this without FSDP1. Nothing was loaded on any rank.")
+
+
+@dataclasses.dataclass
+class FlatUnit:
+    """One unit's flat parameter in a checkpoint, and where its parameters lie in it."""
+
+    key: str  # the state-dict key of the flat parameter
+    params: list[DTensor]  # the engine's sharded parameters, in FSDP1's order
+    offsets: list[int]  # each one's first element in the flat parameter
+    shard_numel: int  # c: elements per rank, padding included
+    group: dist.ProcessGroup
+    world_size: int
+    value: Any  # the checkpoint's ShardedTensor
+
+
+def holds_flat_params(state_dict: Mapping[str, Any]) -> bool:
+    """Whether ``state_dict`` has FSDP1 flat parameters (keys ``..._flat_param``)."""
+    return any(_is_flat_key(key) for key in state_dict)
+
+
+def _is_flat_key(key: str) -> bool:
+    return key == FLAT_PARAM or key.endswith("." + FLAT_PARAM)
+
+
+def plan(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any]) -> tuple[list[FlatUnit], list[str]]:
+    """Each unit's flat parameter matched against this model's layout, and what does not match.
+
+    Local: no communication. Every unit of ``wrapper`` with sharded parameters needs its flat
+    parameter, laid out as this model's unit would be by FSDP1 at this world size.
+    """
+    units, errors = [], []
+    expected_keys = set()
+    for path, unit in _units_with_paths(wrapper):
+        slots = _engine.unit_param_slots(unit.module)
+        if not slots or unit.sharding_strategy == ShardingStrategy.NO_SHARD:
+            continue  # NO_SHARD: FSDP1 saved the parameters one by one, in full (the usual path)
+        key = f"{path}.{FLAT_PARAM}" if path else FLAT_PARAM
+        expected_keys.add(key)
+        if key not in state_dict:
+            errors.append(f"{_unit_name(path)} holds parameters here, but the checkpoint has "
+                          f"no flat parameter {key!r} for it")
+            continue
+        flat_unit, error = _match(unit, _in_fsdp1_order(unit, slots), path, key, state_dict[key])
+        if error:
+            errors.append(error)
+        else:
+            units.append(flat_unit)
+    for key in state_dict:
+        if _is_flat_key(key) and key not in expected_keys:
+            path = key[:-len(FLAT_PARAM)].rstrip(".")
+            errors.append(f"the checkpoint has a flat parameter {key!r}, but there is no sharded "
+                          f"{_unit_name(path)} with parameters here")
+    return units, errors
+
+
+def misfit_message(errors: list[str], failed_ranks: list[int]) -> str:
+    """The ``ValueError`` message for a checkpoint that does not fit (``errors``: this rank's)."""
+    if not errors:
+        return ("Cannot load this FSDP1 LOCAL_STATE_DICT checkpoint: it does not match this model "
+                f"on rank(s) {failed_ranks} (see the error raised there). Nothing was loaded on any rank.")
+    return ("Cannot load this FSDP1 LOCAL_STATE_DICT checkpoint: its flat parameters do not match "
+            "this model's units, so it was written with another world size or wrapping "
+            "(auto_wrap_policy, ignored modules, sharding strategy):\n\t- " + "\n\t- ".join(errors)
+            + "\n" + _WHAT_TO_DO)
+
+
+def _units_with_paths(wrapper: FullyShardedDataParallel) -> list[tuple[str, FullyShardedDataParallel]]:
+    """Each unit inside ``wrapper`` (itself included) with its clean module path, pre-order."""
+    units = {id(unit) for unit in wrappers_in(wrapper)}
+    return [(_clean_module_path(path), module) for path, module in wrapper.named_modules()
+            if id(module) in units]
+
+
+def _unit_name(path: str) -> str:
+    return f"unit {path!r}" if path else "the root unit"
+
+
+def _match(unit: FullyShardedDataParallel, params: list[DTensor], path: str, key: str,
+           value: Any) -> tuple[FlatUnit | None, str]:
+    """The unit's layout that the checkpoint's flat parameter has, or why none fits."""
+    if not (hasattr(value, "local_shards") and hasattr(value, "metadata")):  # ShardedTensor's API
+        return None, (f"{key!r} is a {type(value).__name__}; FSDP1's LOCAL_STATE_DICT holds a "
+                      "ShardedTensor there (each rank's file, loaded with torch.load)")
+    sizes = [param.numel() for param in params]
+    world_size = unit.world_size
+    total = int(math.prod(value.metadata().size))
+    for alignment in _alignments(unit, params):  # the first whose size fits: the own setting wins
+        offsets, layout_total = _layout(sizes, alignment, world_size)
+        if layout_total == total:
+            shard_numel = math.ceil(total / world_size)
+            error = _local_shard_error(value, unit.rank, shard_numel, total)
+            if error:
+                return None, _mismatch(key, path, value, total, world_size) + f"; {error}"
+            return FlatUnit(key, params, offsets, shard_numel, unit.process_group, world_size, value), ""
+    _, own_total = _layout(sizes, _alignments(unit, params)[0], world_size)
+    return None, _mismatch(key, path, value, own_total, world_size)
+
+
+def _in_fsdp1_order(unit: FullyShardedDataParallel, slots: list[tuple[nn.Parameter, list[_engine.ParamSlot]]]
+                    ) -> list[DTensor]:
+    """The unit's sharded parameters in FSDP1's flattening order: pre-order over the unit's
+    modules (nested units' subtrees hold none of them), each parameter at its first slot."""
+    by_slot = {(id(module), name): sharded for sharded, owners in slots for module, name in owners}
+    ordered: dict[int, DTensor] = {}
+    wrapper_class = type(unit)
+
+    def visit(module: nn.Module) -> None:
+        for name, _ in module.named_parameters(recurse=False, remove_duplicate=False):
+            sharded = by_slot.get((id(module), name))
+            if sharded is not None:
+                ordered.setdefault(id(sharded), sharded)
+        for child in module.children():
+            if not isinstance(child, wrapper_class):
+                visit(child)
+
+    visit(unit.module)
+    for sharded, _ in slots:  # every slot is in the walk; kept for safety, in the engine's order
+        ordered.setdefault(id(sharded), sharded)
+    return list(ordered.values())
+
+
+def _alignments(unit: FullyShardedDataParallel, params: list[DTensor]) -> list[int]:
+    """Candidate alignment paddings (elements; 0: none), this wrapper's own setting first."""
+    policy = unit.mixed_precision
+    compute_dtype = policy.param_dtype if policy is not None and policy.param_dtype is not None \
+        else params[0].dtype
+    aligned = [_ALIGNMENT_BYTES // size for size in (compute_dtype.itemsize, 2, 4, 1, 8)]
+    candidates = [aligned[0], 0] if unit._use_orig_params else [0, aligned[0]]
+    return list(dict.fromkeys(candidates + aligned[1:]))
+
+
+def _layout(sizes: list[int], alignment: int, world_size: int) -> tuple[list[int], int]:
+    """Each parameter's offset and the total, as FSDP1 flattens (``alignment`` 0: no padding)."""
+    offsets, total = [], 0
+    for size in sizes:
+        if alignment:
+            total += -total % alignment
+        offsets.append(total)
+        total += size
+    if alignment:
+        total += -total % world_size
+    return offsets, total
+
+
+def _local_shard_error(value: Any, rank: int, shard_numel: int, total: int) -> str:
+    """Why this rank's local shard is not FSDP1's slice ``[rank*c, rank*c + valid)``, or ''."""
+    start = rank * shard_numel
+    valid = max(0, min(shard_numel, total - start))
+    shards = [shard for shard in value.local_shards() if shard.tensor.numel()]
+    if valid == 0 and not shards:
+        return ""
+    if len(shards) == 1:
+        shard = shards[0]
+        if list(shard.metadata.shard_offsets) == [start] and shard.tensor.numel() == valid:
+            return ""
+    found = [(list(s.metadata.shard_offsets), s.tensor.numel()) for s in shards]
+    return (f"this rank (rank {rank} of the unit's group) holds shards (offset, elements) {found} "
+            f"instead of {[([start], valid)] if valid else []}")
+
+
+def _mismatch(key: str, path: str, value: Any, total: int, world_size: int) -> str:
+    """What differs between a flat parameter and this model's unit (sizes in elements)."""
+    written_total = int(math.prod(value.metadata().size))
+    written_shard = max((int(math.prod(s.shard_sizes)) for s in value.metadata().shards_metadata), default=0)
+    return (f"{_unit_name(path)} ({key!r}): the checkpoint's flat size is {written_total} in "
+            f"shards of {written_shard}; this model's unit lays out {total} in shards of "
+            f"{math.ceil(total / world_size)} at world size {world_size}")
+
+
+@torch.no_grad()
+def unflatten(units: list[FlatUnit], state_dict: Mapping[str, Any], entries: list[_Entry]) -> dict[str, Any]:
+    """``state_dict`` with each flat parameter replaced by its parameters, as DTensors laid out as
+    the engine's (every key that names one, tied weights included). FSDP1's per-parameter views
+    of flat units are dropped. A collective: every rank of the units' groups calls, same units."""
+    values: dict[int, DTensor] = {}
+    for unit in units:
+        flat = _gather(unit)
+        for param, offset in zip(unit.params, unit.offsets):
+            full = flat[offset:offset + param.numel()].view(param.shape)
+            values[id(param)] = shard_like(full, param)
+    flat_keys = {unit.key for unit in units}
+    result = {key: value for key, value in state_dict.items() if key not in flat_keys}
+    for entry in entries:
+        if entry.sharded is not None and id(entry.sharded) in values:
+            result[entry.key] = values[id(entry.sharded)]
+    return result
+
+
+def _gather(unit: FlatUnit) -> torch.Tensor:
+    """The unit's whole flat parameter (padding included) on every rank of its group."""
+    device = communication_device(unit.group)
+    dtype = unit.value.metadata().tensor_properties.dtype
+    local = torch.zeros(unit.shard_numel, dtype=dtype, device=device)
+    for shard in unit.value.local_shards():
+        local[:shard.tensor.numel()].copy_(shard.tensor.reshape(-1))
+    flat = torch.empty(unit.shard_numel * unit.world_size, dtype=dtype, device=device)
+    dist.all_gather_single(flat, local, group=unit.group)
+    return flat

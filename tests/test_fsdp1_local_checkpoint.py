@@ -1,0 +1,238 @@
+"""torch FSDP1's LOCAL_STATE_DICT checkpoints (flat parameters): loaded under LOCAL_STATE_DICT,
+refused with a ValueError on every rank when world size or wrapping differ, and converted by
+``fsdp_compat.convert`` into FULL / DCP checkpoints that load at another world size.
+
+The oracle is FSDP1's own reading of the same checkpoint (``summon_full_params`` after loading
+it): live when torch ships FSDP1, else the golden files written by ``tests/fsdp1_local_golden.py``
+(world size 2, both ``use_orig_params`` values). Values must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp_compat
+from fsdp_compat import FullyShardedDataParallel as FSDP
+from fsdp_compat.convert import convert_local_checkpoint
+from fsdp_compat.testing import distributed_test, run_on_ranks
+from fsdp_compat.wrap import ModuleWrapPolicy
+from tests import differential as diff
+from tests import fsdp1_local_golden as golden
+
+LOCAL = fsdp_compat.StateDictType.LOCAL_STATE_DICT
+FULL = fsdp_compat.StateDictType.FULL_STATE_DICT
+SHARDED = fsdp_compat.StateDictType.SHARDED_STATE_DICT
+ROOT = Path(__file__).parent.parent
+
+needs_fsdp1 = pytest.mark.skipif(not diff.HAVE_FSDP1, reason="needs torch FSDP1")
+
+
+def ours(use_orig_params: bool = False, unit_classes=golden.UNIT_CLASSES, **kwargs) -> FSDP:
+    """A fresh (seed 1) OddNet wrapped by fsdp_compat into the golden checkpoints' units."""
+    model = golden.make_model(seed=1).to(diff.device())
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(set(unit_classes)), ignored_modules=[model.side],
+                use_orig_params=use_orig_params, **kwargs)
+
+
+def load_local(model: FSDP, state_dict: dict) -> None:
+    with FSDP.state_dict_type(model, LOCAL):
+        model.load_state_dict(state_dict)
+
+
+def golden_rank_file(use_orig_params: bool) -> dict:
+    ranks, _ = golden.golden_paths(use_orig_params)
+    return golden.load_local_file(ranks[dist.get_rank()])
+
+
+def golden_expected(use_orig_params: bool) -> dict[str, torch.Tensor]:
+    return torch.load(golden.golden_paths(use_orig_params)[1], weights_only=True)
+
+
+def assert_bit_for_bit(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert set(actual) == set(expected), f"{what}: keys differ: {set(actual) ^ set(expected)}"
+    for key, value in expected.items():
+        assert torch.equal(actual[key].cpu(), value), f"{what}: {key} differs"
+
+
+def assert_computes_with(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    """The wrapped model's forward is the plain model's with ``expected`` loaded (it uses them)."""
+    plain = golden.make_model(seed=2)
+    plain.load_state_dict(expected | {"head.weight": expected["emb.weight"]})  # tied: listed once
+    tokens = torch.arange(golden.VOCAB).reshape(1, -1) % golden.VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens.to(diff.device())).cpu(), plain(tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# golden checkpoints (written by torch FSDP1; these tests run without it)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loader_uop", [False, True])
+@pytest.mark.parametrize("writer_uop", [False, True])
+@distributed_test(world_size=2)
+def test_golden_fsdp1_local_checkpoint_loads_bit_for_bit(writer_uop, loader_uop):
+    """Whatever use_orig_params either side has (it only changes FSDP1's padding)."""
+    model = ours(use_orig_params=loader_uop)
+    load_local(model, golden_rank_file(writer_uop))
+    expected = golden_expected(writer_uop)
+    assert_bit_for_bit(diff.model_state(model), expected, f"golden uop={writer_uop}")
+    assert_computes_with(model, expected)
+
+
+def assert_raises_everywhere_and_changes_nothing(model: FSDP, state_dict: dict, *fragments: str) -> str:
+    before = diff.model_state(model)
+    with pytest.raises(ValueError) as raised:
+        load_local(model, state_dict)
+    message = str(raised.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert_bit_for_bit(diff.model_state(model), before, "after a refused load")
+    return message
+
+
+@distributed_test(world_size=2)
+def test_other_wrapping_raises_on_every_rank_and_changes_nothing():
+    model = ours(unit_classes=(golden.Outer, golden.Gate))  # inner's parameters now in outer's unit
+    message = assert_raises_everywhere_and_changes_nothing(
+        model, golden_rank_file(False), "'outer._flat_param'", "'outer'", "flat size is 30 in shards of 15",
+        "lays out 48", "save it as FULL_STATE_DICT or SHARDED_STATE_DICT")
+    assert "'outer.inner._flat_param'" in message, message  # a unit the model no longer has
+
+
+@pytest.mark.parametrize("writer_uop", [False, True])
+@distributed_test(world_size=2)
+def test_other_shard_world_size_raises_on_every_rank_and_changes_nothing(writer_uop):
+    """Written sharded over 2 ranks, loaded sharded over 1 (hybrid sharding, 2 replicas)."""
+    mesh = init_device_mesh(diff.device().type, (2, 1))
+    model = ours(sharding_strategy=fsdp_compat.ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)
+    assert_raises_everywhere_and_changes_nothing(model, golden_rank_file(writer_uop), "world size 1",
+                                                 "do not match", "save it as FULL_STATE_DICT")
+
+
+@distributed_test(world_size=2)
+def test_misfit_on_one_rank_raises_on_every_rank():
+    model = ours()
+    state_dict = golden_rank_file(False)
+    if dist.get_rank() == 1:
+        state_dict.pop("gate._flat_param")
+    expected = "'gate'" if dist.get_rank() == 1 else "rank(s) [1]"
+    assert_raises_everywhere_and_changes_nothing(model, state_dict, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# the converter
+# ---------------------------------------------------------------------------------------------
+
+
+def convert_golden(output: str, output_format: str, use_orig_params: bool) -> None:
+    ranks, _ = golden.golden_paths(use_orig_params)
+    pattern = str(ranks[0]).replace("rank0", "rank{rank}")
+    convert_local_checkpoint(golden.make_model(seed=1), pattern, output, output_format=output_format,
+                             ignored_modules=["side"])
+
+
+def load_converted(output: str, output_format: str, use_orig_params: bool) -> None:
+    model = ours()
+    if output_format == "full":
+        with FSDP.state_dict_type(model, FULL):
+            model.load_state_dict(torch.load(output, weights_only=True))
+    else:
+        with FSDP.state_dict_type(model, SHARDED):
+            state_dict = model.state_dict()
+            dcp.load(state_dict, checkpoint_id=output)
+            model.load_state_dict(state_dict)
+    assert_bit_for_bit(diff.model_state(model), golden_expected(use_orig_params), f"converted {output_format}")
+
+
+@pytest.mark.parametrize("output_format", ["full", "dcp"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_converter_output_loads_at_another_world_size(tmp_path, output_format, use_orig_params):
+    output = str(tmp_path / ("model.pt" if output_format == "full" else "model_dcp"))
+    run_on_ranks(convert_golden, 2, output, output_format, use_orig_params)
+    run_on_ranks(load_converted, 3, output, output_format, use_orig_params)
+    if output_format == "full":  # and into the plain model
+        plain = golden.make_model(seed=1)
+        plain.load_state_dict(torch.load(output, weights_only=True))
+        state = {k: v for k, v in plain.state_dict().items() if k != "head.weight"}  # tied: twice
+        assert_bit_for_bit(state, golden_expected(use_orig_params), "plain model")
+
+
+def test_convert_command_line(tmp_path):
+    """``python -m fsdp_compat.convert`` under torchrun, with the checkpoint's world size."""
+    ranks, expected_path = golden.golden_paths(True)
+    output = tmp_path / "model.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "fsdp_compat.convert", "--model", "tests.fsdp1_local_golden:make_model",
+               "--checkpoint", str(ranks[0]).replace("rank0", "rank{rank}"), "--output", str(output),
+               "--ignored-modules", "side"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"wrote {output} (full)" in done.stdout
+    converted = torch.load(output, weights_only=True)
+    converted.pop("head.weight")  # the tied weight, under both names in a state dict
+    assert_bit_for_bit(converted, torch.load(expected_path, weights_only=True), "command line")
+
+
+# ---------------------------------------------------------------------------------------------
+# live against torch FSDP1: sharding strategies, mixed-precision alignment
+# ---------------------------------------------------------------------------------------------
+
+
+def fsdp1_writes_and_reads(path: str, strategy: str, use_orig_params: bool, steps: int = 2, **kwargs) -> dict:
+    """FSDP1 trains, saves each rank's LOCAL file, and reads it back into a fresh model."""
+    writer = golden.fsdp1_wrap(golden.make_model(0), use_orig_params, strategy, **kwargs)
+    golden.train(writer, steps)
+    rank_path = path.format(rank=dist.get_rank())
+    torch.save(golden.fsdp1_local_state_dict(writer), rank_path)
+    dist.barrier()
+    reader = golden.fsdp1_wrap(golden.make_model(1), use_orig_params, strategy, **kwargs)
+    return golden.fsdp1_full_values(reader, golden.load_local_file(rank_path))
+
+
+def load_what_fsdp1_wrote(path: str, strategy: str, use_orig_params: bool) -> None:
+    expected = fsdp1_writes_and_reads(path, strategy, use_orig_params)
+    model = ours(use_orig_params, sharding_strategy=getattr(fsdp_compat.ShardingStrategy, strategy))
+    load_local(model, golden.load_local_file(path.format(rank=dist.get_rank())))
+    assert_bit_for_bit(diff.model_state(model), expected, f"{strategy} uop={use_orig_params}")
+    assert_computes_with(model, expected)
+
+
+@needs_fsdp1
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_loads_what_fsdp1_wrote_bit_for_bit(tmp_path, strategy, use_orig_params):
+    run_on_ranks(load_what_fsdp1_wrote, 2, str(tmp_path / "local_rank{rank}.pt"), strategy, use_orig_params)
+
+
+def load_mixed_precision_checkpoint(path: str) -> None:
+    """FSDP1 aligns to 16 bytes of MixedPrecision.param_dtype (8 bf16 elements, not 4 fp32)."""
+    policy = diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16)
+    # No training: the ignored module would get bf16 inputs. Seed 0's values are not the reader's.
+    expected = fsdp1_writes_and_reads(path, "FULL_SHARD", True, steps=0, mixed_precision=policy)
+    state_dict = golden.load_local_file(path.format(rank=dist.get_rank()))
+    for mixed_precision in (fsdp_compat.MixedPrecision(param_dtype=torch.bfloat16), None):
+        model = ours(True, mixed_precision=mixed_precision)
+        load_local(model, state_dict)
+        assert_bit_for_bit(diff.model_state(model), expected, f"mixed_precision={mixed_precision}")
+
+
+@needs_fsdp1
+def test_loads_fsdp1_mixed_precision_alignment(tmp_path):
+    run_on_ranks(load_mixed_precision_checkpoint, 2, str(tmp_path / "local_rank{rank}.pt"))
+
+
+def test_golden_local_checkpoints_are_small():
+    files = list(golden.GOLDEN_LOCAL_DIR.iterdir())
+    assert len(files) == 6 and sum(p.stat().st_size for p in files) < 64_000
