@@ -63,7 +63,7 @@ def state_dicts(wrapper_class, options_name: str) -> tuple[dict, dict]:
 def keys_are_the_unwrapped_models(options_name: str) -> None:
     model_state, optim_state = state_dicts(FSDP, options_name)
     if options_name == "full_cpu_offload" and dist.get_rank() != 0:
-        assert model_state == {} and optim_state["state"] == {}  # rank 0 only, as for FSDP1
+        assert model_state == {} and not optim_state.get("state")  # rank 0 only, as for FSDP1
         return
     model_keys, param_names = unwrapped_names()
     assert list(model_state) == model_keys
@@ -80,28 +80,63 @@ def test_model_and_optimizer_keys_are_clean_fqns(options_name):
 
 
 def equal_to_fsdp1(options_name: str) -> None:
-    ours = state_dicts(FSDP, options_name)
-    theirs = state_dicts(diff.TorchFSDP, options_name)
-    for (our_model, our_optim), (fsdp1_model, fsdp1_optim) in [(ours, theirs)]:
-        assert list(our_model) == list(fsdp1_model)
-        for key, value in fsdp1_model.items():
-            assert type(our_model[key]) is type(value), key
-            assert diff.relative_error(comparable(our_model[key]), comparable(value)) <= 1e-6, key
-        assert our_optim["param_groups"] == fsdp1_optim["param_groups"]
-        assert our_optim["state"].keys() == fsdp1_optim["state"].keys()
-        for name, state in fsdp1_optim["state"].items():
-            assert state.keys() == our_optim["state"][name].keys(), name
-            for key, value in state.items():
-                ours_value = our_optim["state"][name][key]
-                assert type(ours_value) is type(value), (name, key)
-                if isinstance(value, torch.Tensor):
-                    assert diff.relative_error(comparable(ours_value), comparable(value)) <= 1e-5, (name, key)
+    our_model, our_optim = state_dicts(FSDP, options_name)
+    fsdp1_model, fsdp1_optim = state_dicts(diff.TorchFSDP, options_name)
+    assert list(our_model) == list(fsdp1_model)
+    assert our_optim["param_groups"] == fsdp1_optim["param_groups"]
+    assert our_optim["state"].keys() == fsdp1_optim["state"].keys()
+    for name, state in fsdp1_optim["state"].items():
+        assert state.keys() == our_optim["state"][name].keys(), name
+    if options_name == "default":
+        # FSDP1 gives ShardedTensors here, we give DTensors (README); the values are compared
+        # through checkpoints crossing engines below.
+        return
+    for key, value in fsdp1_model.items():
+        assert type(our_model[key]) is type(value), key
+        assert diff.relative_error(our_model[key].cpu(), value.cpu()) <= 1e-6, key
+    for name, state in fsdp1_optim["state"].items():
+        for key, value in state.items():
+            ours = our_optim["state"][name][key]
+            assert type(ours) is type(value), (name, key)
+            if isinstance(value, torch.Tensor):
+                assert diff.relative_error(ours.cpu().float(), value.cpu().float()) <= 1e-5, (name, key)
 
 
 @needs_fsdp1
-@pytest.mark.parametrize("options_name", sorted(OPTIONS))
+@pytest.mark.parametrize("options_name", ["default", "full"])  # FSDP1 crashes with cpu_offload on CPU
 def test_state_dicts_equal_fsdp1s(options_name):
     run_on_ranks(equal_to_fsdp1, 2, options_name)
+
+
+def offloaded_equals_full() -> None:
+    model, optimizer = trained(FSDP)
+    full = get_state_dict(model, optimizer, options=OPTIONS["full"])
+    offloaded = get_state_dict(model, optimizer, options=OPTIONS["full_cpu_offload"])
+    if dist.get_rank() != 0:
+        return
+    for ours, expected in zip(offloaded, full):
+        flat_ours, flat_expected = dict(_flatten(ours)), dict(_flatten(expected))
+        assert flat_ours.keys() == flat_expected.keys()
+        for key, value in flat_expected.items():
+            if isinstance(value, torch.Tensor):
+                assert flat_ours[key].device.type == "cpu" and torch.equal(flat_ours[key], value.cpu()), key
+            else:
+                assert flat_ours[key] == value, key
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    elif isinstance(tree, list):
+        for index, value in enumerate(tree):
+            yield from _flatten(value, f"{prefix}{index}.")
+    else:
+        yield prefix, tree
+
+
+def test_cpu_offload_gives_the_full_state_on_rank_0():
+    run_on_ranks(offloaded_equals_full, 2)
 
 
 def engine(name: str):
@@ -183,12 +218,10 @@ def load_like_lightning_dtensor_branch(module, state_dict, clean_names: bool) ->
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    from fsdp_compat._common import clean_name
-
     options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=False)
     for submodule_name, submodule in module.named_modules():
         if clean_names:
-            submodule_name = clean_name(submodule_name)
+            submodule_name = ".".join(s for s in submodule_name.split(".") if s != "_fsdp_wrapped_module")
         for name, _ in itertools.chain(submodule.named_buffers(recurse=False),
                                        submodule.named_parameters(recurse=False)):
             if name in submodule._non_persistent_buffers_set:
