@@ -328,9 +328,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             yield
         finally:
-            FullyShardedDataParallel.set_state_dict_type(
-                module, previous.state_dict_type, previous.state_dict_config,
-                previous.optim_state_dict_config)
+            _state_dict.restore_state_dict_type(module, previous)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The model state in the current state-dict type, with FSDP1's clean keys."""
