@@ -75,16 +75,15 @@ def assert_unchanged(before: dict[str, Any], model: nn.Module, optim: torch.opti
     assert before["groups"] == after["groups"], "optimizer param_groups changed"
 
 
-def raises_everywhere(call, error_type: type, words: str) -> str:
-    """Run ``call``; it must raise ``error_type`` on every rank: the bad rank (1) with ``words``,
-    the others saying rank 1's input was invalid. Returns the message."""
+def raises_everywhere(call, error_type: type, words: str, bad_rank: int = 1) -> str:
+    """Run ``call``; it must raise ``error_type`` on every rank: the bad rank with ``words``, the
+    others saying the bad rank's input was invalid (and repeating its message). Returns the message."""
     with pytest.raises(error_type) as raised:
         call()
     message = str(raised.value)
-    if dist.get_rank() == 1:
-        assert words in message, message
-    else:
-        assert "invalid on rank(s) [1]" in message, message
+    assert words in message, message
+    if dist.get_rank() != bad_rank:
+        assert f"invalid on rank(s) [{bad_rank}]" in message, message
     return message
 
 
@@ -96,6 +95,10 @@ def full_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
 
 def on_rank1(good: Any, bad: Any) -> Any:
     return bad if dist.get_rank() == 1 else good
+
+
+def on_rank(bad_rank: int, good: Any, bad: Any) -> Any:
+    return bad if dist.get_rank() == bad_rank else good
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,3 +152,117 @@ def test_clip_grad_norm_with_bad_arguments_on_one_rank_raises_everywhere(bad):
         if param.grad is not None:
             assert torch.equal(param.grad.full_tensor(), grads[name]), f"gradient of {name} changed"
     model.clip_grad_norm_(1.0)  # every rank still in step
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer-state loads: every path, every rank, all raise or none
+# ---------------------------------------------------------------------------------------------
+
+FIRST = "tok_emb.weight"
+
+
+def _set(name: str, value_of):
+    def corrupt(osd: dict[str, Any]) -> None:
+        osd["state"][FIRST][name] = value_of(osd["state"][FIRST])
+    return corrupt
+
+
+# case -> (corruption of a valid state dict, exception type, words of the message)
+CORRUPTIONS = {
+    "wrong_shape_exp_avg": (_set("exp_avg", lambda state: torch.zeros(3, 3)), ValueError, "shape"),
+    "zero_dim_exp_avg": (_set("exp_avg", lambda state: torch.tensor(0.5)), ValueError, "'exp_avg'"),
+    "none_exp_avg": (_set("exp_avg", lambda state: None), ValueError, "'exp_avg'"),
+    "no_step": (lambda osd: osd["state"][FIRST].pop("step"), KeyError, "'step'"),
+    "sgd_state_into_adamw": (lambda osd: osd["state"].__setitem__(
+        FIRST, {"momentum_buffer": osd["state"][FIRST]["exp_avg"]}), KeyError, "momentum_buffer"),
+    "not_a_dict": (lambda osd: osd.__setitem__("state", [osd["state"]]), ValueError, "state"),
+}
+
+# path -> (state-dict type the model is in, the rank whose input is read badly, the call)
+LOAD_PATHS = {
+    "full": ("full", 1, lambda model, optim, osd: FSDP.optim_state_dict_to_load(model, optim, osd,
+                                                                                load_directly=True)),
+    "full_rank0_only": ("full_rank0_only", 0, lambda model, optim, osd: FSDP.optim_state_dict_to_load(
+        model, optim, osd, load_directly=True)),
+    "sharded": ("sharded", 1, lambda model, optim, osd: FSDP.optim_state_dict_to_load(
+        model, optim, osd, load_directly=True)),
+    "shard_full": ("full", 1, lambda model, optim, osd: FSDP.shard_full_optim_state_dict(osd, model, optim=optim)),
+    "scatter_full": ("full", 0, lambda model, optim, osd: FSDP.scatter_full_optim_state_dict(
+        osd, model, optim=optim)),
+    "flatten_sharded": ("sharded", 1, lambda model, optim, osd: FSDP.flatten_sharded_optim_state_dict(
+        osd, model, optim)),
+}
+
+
+def _settings(kind: str) -> tuple[Any, Any]:
+    if kind == "sharded":
+        return fsdp_compat.StateDictType.SHARDED_STATE_DICT, None
+    return (fsdp_compat.StateDictType.FULL_STATE_DICT,
+            fsdp_compat.FullOptimStateDictConfig(rank0_only=kind == "full_rank0_only"))
+
+
+def _saved(model: nn.Module, optim: torch.optim.Optimizer, kind: str) -> dict[str, Any]:
+    """What this rank would load: the FULL (every rank) or SHARDED optimizer state dict."""
+    if kind == "sharded":
+        with FSDP.state_dict_type(model, fsdp_compat.StateDictType.SHARDED_STATE_DICT):
+            return FSDP.optim_state_dict(model, optim)
+    return full_optim_state(model, optim)
+
+
+@pytest.mark.parametrize("path", sorted(LOAD_PATHS))
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+@distributed_test(world_size=2, timeout=POOL_TIMEOUT)
+def test_bad_optimizer_state_on_one_rank_raises_everywhere_and_loads_nowhere(case, path):
+    model, optim = build(steps=2)
+    kind, bad_rank, load = LOAD_PATHS[path]
+    good = _saved(model, optim, kind)
+    bad = copy.deepcopy(good)
+    corrupt, error_type, words = CORRUPTIONS[case]
+    corrupt(bad)
+    before = snapshot(model, optim)
+    state_dict_type, optim_config = _settings(kind)
+    with FSDP.state_dict_type(model, state_dict_type, optim_state_dict_config=optim_config):
+        raises_everywhere(lambda: load(model, optim, on_rank(bad_rank, good, bad)), error_type, words, bad_rank)
+        assert_unchanged(before, model, optim)
+        loadable = load(model, optim, good)  # the ranks are still in step
+    optim.load_state_dict(loadable)
+    diff.train(model, optim, 1)
+
+
+@pytest.mark.parametrize("case", ["zero_dim_exp_avg", "none_exp_avg", "no_step", "sgd_state_into_adamw"])
+@distributed_test(world_size=2, timeout=POOL_TIMEOUT)
+def test_state_the_optimizer_could_not_step_is_refused_naming_parameter_and_state(case):
+    """Without the check, ``optim.load_state_dict`` or the next step fails after the state was
+    replaced (torch's ``KeyError: 'step'``, a broadcast-shape or ``NoneType`` error)."""
+    model, optim = build(steps=2)
+    bad = full_optim_state(model, optim)
+    corrupt, error_type, words = CORRUPTIONS[case]
+    corrupt(bad)
+    before = snapshot(model, optim)
+    with pytest.raises(error_type) as raised:
+        FSDP.optim_state_dict_to_load(model, optim, bad, load_directly=True)
+    assert FIRST in str(raised.value) and words in str(raised.value), str(raised.value)
+    assert_unchanged(before, model, optim)
+
+
+@distributed_test(world_size=2, timeout=POOL_TIMEOUT)
+def test_state_from_other_hyper_parameters_is_refused():
+    """AdamW's state loaded with ``amsgrad=True`` groups: the step would need ``max_exp_avg_sq``."""
+    model, optim = build(steps=1)
+    saved = full_optim_state(model, optim)
+    for group in saved["param_groups"]:
+        group["amsgrad"] = True
+    with pytest.raises(KeyError, match="max_exp_avg_sq"):
+        FSDP.optim_state_dict_to_load(model, optim, saved)
+
+
+@distributed_test(world_size=2, timeout=POOL_TIMEOUT)
+def test_fresh_optimizer_and_other_classes_still_load():
+    """The kinds are learned for the optimizer's class and the saved hyper-parameters: a fresh
+    optimizer (no state yet) takes AdamW's state, SGD takes SGD's, and both step."""
+    for name in ("adamw", "sgd"):
+        model, optim = build(name, steps=2)
+        saved = full_optim_state(model, optim)
+        fresh = type(optim)(model.parameters(), lr=0.01)
+        fresh.load_state_dict(FSDP.optim_state_dict_to_load(model, fresh, saved))
+        diff.train(model, fresh, 1)
