@@ -310,10 +310,14 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any], *, sharded:
             rank0_only: bool, offload: bool, group: Any, optim_input: OptimInput = None) -> dict[str, Any]:
     """``source`` (an ``optim.state_dict()``: ids -> engine shards) keyed by clean names, FULL
     or SHARDED. Every rank must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
-    state_in = source["state"]
-    named = bool(state_in) and all(isinstance(key, str) for key in state_in)
-    index = _param_index(model, optim, optim_input, named_keys=named)
     group = _model_group(model, group)
+    # An optimizer over other parameters (or a bad ``optim_state_dict``) on one rank only must not
+    # leave the others waiting in the gathers.
+    with all_ranks_agree([group] if dist.is_initialized() else [], "The optimizer or its state",
+                         "nothing was saved on any rank"):
+        state_in = source["state"]
+        named = bool(state_in) and all(isinstance(key, str) for key in state_in)
+        index = _param_index(model, optim, optim_input, named_keys=named)
     with_state = [param for param in index.key_of if index.key_of[param] in state_in]
     ordered = _state_order(index, with_state)
     if dist.is_initialized():

@@ -328,9 +328,12 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     wrappers are in ``SUMMON_FULL_PARAMS`` (clean ``named_parameters()`` names, no forward).
     """
     wrappers = wrappers_in(module) if recurse else [w for w in wrappers_in(module) if w is module]
-    _validate_summon_args(wrappers, writeback, rank0_only, offload_to_cpu, with_grads)
-    for wrapper in wrappers:
-        _check_can_summon(wrapper)
+    # Arguments bad on one rank only must not leave the others waiting in the gathers.
+    with all_ranks_agree(mesh_groups(wrappers[0]._device_mesh) if wrappers else [],
+                         "The summon_full_params() arguments", "no parameters were gathered on any rank"):
+        _validate_summon_args(wrappers, writeback, rank0_only, offload_to_cpu, with_grads)
+        for wrapper in wrappers:
+            _check_can_summon(wrapper)
     summoned: list[_SummonedParam] = []
     try:
         for wrapper in wrappers:

@@ -154,6 +154,30 @@ def test_clip_grad_norm_with_bad_arguments_on_one_rank_raises_everywhere(bad):
     model.clip_grad_norm_(1.0)  # every rank still in step
 
 
+@distributed_test(world_size=2, timeout=POOL_TIMEOUT)
+def test_summon_full_params_with_bad_arguments_on_one_rank_raises_everywhere():
+    model, optim = build()
+    before = snapshot(model, optim)
+
+    def summon() -> None:
+        with FSDP.summon_full_params(model, writeback=True, rank0_only=on_rank1(False, True)):
+            pass
+
+    raises_everywhere(summon, NotImplementedError, "rank0_only")
+    assert_unchanged(before, model, optim)
+    with FSDP.summon_full_params(model):  # every rank still in step
+        pass
+
+
+@distributed_test(world_size=2, timeout=POOL_TIMEOUT)
+def test_saving_optimizer_state_with_a_foreign_optimizer_on_one_rank_raises_everywhere():
+    model, optim = build()
+    stranger = torch.optim.SGD([nn.Parameter(torch.zeros(3, device=diff.device()))], lr=0.1)
+    raises_everywhere(lambda: full_optim_state(model, on_rank1(optim, stranger)), KeyError,
+                      "not parameters of the model")
+    full_optim_state(model, optim)  # every rank still in step
+
+
 # ---------------------------------------------------------------------------------------------
 # Optimizer-state loads: every path, every rank, all raise or none
 # ---------------------------------------------------------------------------------------------
