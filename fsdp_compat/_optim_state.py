@@ -367,7 +367,9 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
 
     Exception types are FSDP1's where it raises (``ValueError`` for a missing ``state``,
     ``KeyError`` for names of another model); where FSDP1 only fails later in
-    ``optim.load_state_dict``, the type that call raises.
+    ``optim.load_state_dict`` or the next step, the type that raises there (``KeyError`` for a
+    missing state such as ``step``). Each parameter's state must be what ``optim``'s class keeps
+    with the saved hyper-parameters (``_optim_state_kinds``), so the result can be stepped.
     """
     if not isinstance(osd, Mapping) or "state" not in osd:
         raise ValueError('`optim_state_dict` must have the keys "state" and "param_groups" to be a '
