@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,3 +40,92 @@ def same_on_all_ranks(value: Any, group: Any = None) -> bool:
     everyone = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, digest, group=group)
     return all(torch.equal(other, digest) for other in everyone)
+
+
+def _to_bytes(value: Any, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+
+
+# Exception types an agreement re-raises on the ranks whose own checks passed (the failing rank's
+# type, so that ``except KeyError`` works everywhere); others become RuntimeError.
+_AGREED_TYPES: tuple[type[Exception], ...] = (RuntimeError, ValueError, KeyError, TypeError, AssertionError,
+                                              IndexError, NotImplementedError)
+_MESSAGE_BYTES = 2048  # how much of the failing rank's message the other ranks repeat
+
+
+def mesh_groups(mesh: Any) -> list[Any]:
+    """The groups of each dimension of ``mesh``: together they span all its ranks."""
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
+@contextlib.contextmanager
+def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> Iterator[None]:
+    """Run the enclosed checks on every rank; if they raise on any rank of ``groups``, raise on all.
+
+    A check that fails on one rank only (rank-divergent input) would otherwise leave the other
+    ranks waiting in the next collective. The failing rank re-raises its own exception; the
+    others raise one of the same type saying ``"{subject} is invalid on rank(s) [...]"``, with
+    the first failing rank's message, and ``consequence`` (what was left untouched). ``groups``
+    together span every rank concerned (a mesh's per-dimension groups, or one group); one small
+    all-reduce per group when everything passed. Without a process group, checks run locally.
+    """
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as caught:  # noqa: BLE001 - every failure is agreed on, then re-raised
+        error = caught
+    if not dist.is_initialized() or not groups:
+        if error is not None:
+            raise error
+        return
+    failed, kind = _failed_ranks(error, groups)
+    if not failed:
+        return
+    message = _first_failure_message(error if dist.get_rank() == failed[0] else None, groups)
+    if error is not None:
+        raise error
+    raise _AGREED_TYPES[kind](f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
+
+
+def ranks_where(flag: bool, groups: Sequence[Any]) -> list[int]:
+    """Global ranks, across ``groups``, on which ``flag`` is set (one small all-reduce per group)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=communication_device(groups[0]))
+    flags[dist.get_rank()] = int(flag)
+    for group in groups:  # along each group in turn: every rank the groups span
+        dist.all_reduce(flags, group=group)
+    return flags.cpu().nonzero().flatten().tolist()
+
+
+def _kind_code(error: Exception) -> int:
+    """1 + index of the first agreed type ``error`` is an instance of (0: RuntimeError's slot)."""
+    for index, kind in enumerate(_AGREED_TYPES):
+        if isinstance(error, kind) and (kind is not RuntimeError or type(error) is RuntimeError):
+            return index + 1
+    return 1
+
+
+def _failed_ranks(error: Exception | None, groups: Sequence[Any]) -> tuple[list[int], int]:
+    """Global ranks whose checks failed (one all-reduce per group), and the lowest one's type."""
+    device = communication_device(groups[0])
+    codes = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    codes[dist.get_rank()] = 0 if error is None else _kind_code(error)
+    for group in groups:  # along each group in turn: every rank the groups span
+        dist.all_reduce(codes, group=group)
+    codes = codes.cpu()
+    failed = codes.nonzero().flatten().tolist()
+    return failed, (int(codes[failed[0]]) - 1 if failed else 0)
+
+
+def _first_failure_message(error: Exception | None, groups: Sequence[Any]) -> str:
+    """``error``'s message (given on one rank only) on every rank; the failure path only."""
+    device = communication_device(groups[0])
+    text = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    if error is not None:
+        # A KeyError's str() is the repr of its message: relay the message itself.
+        detail = error.args[0] if len(error.args) == 1 and isinstance(error.args[0], str) else str(error)
+        encoded = f"{type(error).__name__}: {detail}".encode("utf-8")[:_MESSAGE_BYTES]
+        text[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    for group in groups:
+        dist.all_reduce(text, group=group)
+    data = bytes(text.cpu().tolist()).rstrip(b"\0")
+    return data.decode("utf-8", errors="replace")

@@ -22,6 +22,32 @@ def check_module(module: Any) -> None:
         )
 
 
+# Every parameter an engine unit of this library shards, to recognise one a second root would
+# shard again (weak: a discarded model's parameters are forgotten with it). Keyed by id: tensors
+# compare by value, so a weak set of them cannot be searched.
+_sharded_by_a_unit: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+
+
+def remember_sharded(params: Iterable[nn.Parameter]) -> None:
+    """Record the parameters a unit was given by the engine (see :func:`check_not_shared_with_another_root`)."""
+    _sharded_by_a_unit.update((id(param), param) for param in params)
+
+
+def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn.Parameter],
+                                       wrapper_class: type) -> None:
+    """Refuse, before anything is touched, a parameter already sharded by another root's unit:
+    the engine would take its ``DTensor`` for a tensor-parallel one and fail deep inside.
+    Parameters of units nested in ``module`` (manual nesting) are this root's own."""
+    nested = {id(param) for sub in module.modules() if isinstance(sub, wrapper_class) for param in sub.parameters()}
+    for name, param in module.named_parameters():
+        if _sharded_by_a_unit.get(id(param)) is param and id(param) not in nested and param not in ignored_params:
+            raise ValueError(
+                f"Parameter {name!r} is already sharded by another FullyShardedDataParallel root: "
+                "one parameter cannot be sharded by two separately wrapped roots. Wrap a common "
+                "parent of both modules in one FullyShardedDataParallel (a parameter tied "
+                "between its submodules is supported), or tie the parameter inside one root")
+
+
 def is_forwardless_container(module: nn.Module) -> bool:
     """An ``nn.ModuleList`` / ``nn.ModuleDict`` that is iterated, never called."""
     return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward

@@ -29,9 +29,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import _engine, _orig_params, _state_dict
-from ._collectives import broadcast_object, communication_device, same_on_all_ranks
+from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name, wrappers_in
 from ._mesh import flatten_to_1d
+from ._optim_state_kinds import StateKinds, check_state_kinds, learn_state_kinds
 from ._tensor_layout import (
     copy_to,
     full_tensor,
@@ -311,10 +312,14 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any], *, sharded:
             rank0_only: bool, offload: bool, group: Any, optim_input: OptimInput = None) -> dict[str, Any]:
     """``source`` (an ``optim.state_dict()``: ids -> engine shards) keyed by clean names, FULL
     or SHARDED. Every rank must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
-    state_in = source["state"]
-    named = bool(state_in) and all(isinstance(key, str) for key in state_in)
-    index = _param_index(model, optim, optim_input, named_keys=named)
     group = _model_group(model, group)
+    # An optimizer over other parameters (or a bad ``optim_state_dict``) on one rank only must not
+    # leave the others waiting in the gathers.
+    with all_ranks_agree([group] if dist.is_initialized() else [], "The optimizer or its state",
+                         "nothing was saved on any rank"):
+        state_in = source["state"]
+        named = bool(state_in) and all(isinstance(key, str) for key in state_in)
+        index = _param_index(model, optim, optim_input, named_keys=named)
     with_state = [param for param in index.key_of if index.key_of[param] in state_in]
     ordered = _state_order(index, with_state)
     if dist.is_initialized():
@@ -359,12 +364,14 @@ def _check_keys_are_names(keys: list[Any]) -> None:
     raise ValueError(f"Invalid parameter keys: {keys}; the state must be keyed by parameter names only")
 
 
-def _validate_for_load(osd: Any, index: _ParamIndex) -> None:
+def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
     """Everything that can be wrong with ``osd`` for this model and optimizer, before any work.
 
     Exception types are FSDP1's where it raises (``ValueError`` for a missing ``state``,
     ``KeyError`` for names of another model); where FSDP1 only fails later in
-    ``optim.load_state_dict``, the type that call raises.
+    ``optim.load_state_dict`` or the next step, the type that raises there (``KeyError`` for a
+    missing state such as ``step``). Each parameter's state must be what ``optim``'s class keeps
+    with the saved hyper-parameters (``_optim_state_kinds``), so the result can be stepped.
     """
     if not isinstance(osd, Mapping) or "state" not in osd:
         raise ValueError('`optim_state_dict` must have the keys "state" and "param_groups" to be a '
@@ -390,8 +397,13 @@ def _validate_for_load(osd: Any, index: _ParamIndex) -> None:
             raise ValueError(f"Parameter group {number} of the loaded state dict holds other "
                              f"parameters than the optimizer's group {number}; build the optimizer "
                              "with the same parameter groups as the one that was saved")
+    kinds = _KindsOfGroups(optim, index, saved_groups)
     for name, param_state in state.items():
-        _validate_param_state(name, param_state, index.param_of_fqn[name])
+        param = index.param_of_fqn[name]
+        _validate_param_state(name, param_state, param)
+        expected = kinds.of(param)
+        if expected is not None:
+            check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 
 def _validate_param_state(name: str, param_state: Any, param: nn.Parameter) -> None:
@@ -403,6 +415,27 @@ def _validate_param_state(name: str, param_state: Any, param: nn.Parameter) -> N
             raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
                              f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
                              "not belong to this model")
+
+
+class _KindsOfGroups:
+    """What the optimizer keeps per parameter once loaded, learned lazily per parameter group
+    (with the saved hyper-parameters, which the load installs) and dimensionality."""
+
+    def __init__(self, optim: Any, index: _ParamIndex, saved_groups: list[Mapping[str, Any]]) -> None:
+        self.optim = optim
+        self.saved_groups = saved_groups
+        self.group_of = {param: number for number, group in enumerate(index.groups) for param in group}
+        self.learned: dict[tuple[Any, ...], StateKinds | None] = {}
+
+    def of(self, param: nn.Parameter) -> StateKinds | None:
+        if self.optim is None:  # optim_input given instead: the class is unknown
+            return None
+        local = (param.to_local() if isinstance(param, DTensor) else param).detach()
+        number = self.group_of[param]
+        key = (number, local.dim(), local.dtype, local.device)
+        if key not in self.learned:
+            self.learned[key] = learn_state_kinds(self.optim, self.saved_groups[number], local)
+        return self.learned[key]
 
 
 def _is_tensor_like(value: Any) -> bool:
@@ -438,26 +471,19 @@ def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
             "param_groups": osd["param_groups"]}
 
 
-def _broadcast_checked(osd: Any, index: _ParamIndex, group: Any) -> dict[str, Any]:
-    """Rank 0 validates its ``osd`` and broadcasts the structure (or its error, so every rank
-    raises it instead of waiting); each tensor then follows, filled in where rank 0 had it."""
-    message: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            _validate_for_load(osd, index)
-            for param_state in osd["state"].values():
-                for value in param_state.values():
-                    if isinstance(value, DTensor) or is_sharded_tensor(value):
-                        raise ValueError("A full optimizer state dict holds plain tensors; pass "
-                                         "what full_optim_state_dict / FULL optim_state_dict returned")
-            message[0] = ("ok", _skeleton(osd))
-        except Exception as error:  # every rank raises it, none waits for tensors that never come
-            message[0] = ("error", error)
-    status, payload = broadcast_object(message[0], group)
-    if status == "error":
-        raise payload
+def _check_full_values(osd: Mapping[str, Any]) -> None:
+    for param_state in osd["state"].values():
+        for value in param_state.values():
+            if isinstance(value, DTensor) or is_sharded_tensor(value):
+                raise ValueError("A full optimizer state dict holds plain tensors; pass "
+                                 "what full_optim_state_dict / FULL optim_state_dict returned")
+
+
+def _broadcast_from_rank0(osd: Any, group: Any) -> dict[str, Any]:
+    """Rank 0's (validated) ``osd`` on every rank: the structure first, then each tensor."""
+    skeleton = broadcast_object(_skeleton(osd) if dist.get_rank(group) == 0 else None, group)
     if dist.get_rank(group) != 0:
-        osd = payload
+        osd = skeleton
     device = communication_device(group)
     state = {}
     for name, param_state in osd["state"].items():
@@ -476,12 +502,21 @@ def _broadcast_checked(osd: Any, index: _ParamIndex, group: Any) -> dict[str, An
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
             rank0_only: bool = False, group: Any = None, named_keys: bool = False) -> dict[str, Any]:
     """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as a state dict that
-    ``optim.load_state_dict`` takes: this optimizer's keys, this model's shards, new memory."""
-    index = _param_index(model, optim, optim_input, named_keys=named_keys)
-    if rank0_only and dist.is_initialized():
-        osd = _broadcast_checked(osd, index, _model_group(model, group))
-    else:
-        _validate_for_load(osd, index)
+    ``optim.load_state_dict`` takes: this optimizer's keys, this model's shards, new memory.
+
+    Every rank validates what it reads (under ``rank0_only`` only rank 0 reads ``osd``) and all
+    ranks agree on the outcome before anything is converted: all raise, or none."""
+    groups = [_model_group(model, group)] if dist.is_initialized() else []
+    reads_input = not (rank0_only and groups) or dist.get_rank(groups[0]) == 0
+    with all_ranks_agree(groups, "The optimizer state dict",
+                         "no optimizer state was converted or loaded on any rank"):
+        index = _param_index(model, optim, optim_input, named_keys=named_keys)
+        if reads_input:
+            _validate_for_load(osd, index, optim)
+            if rank0_only:
+                _check_full_values(osd)
+    if rank0_only and groups:
+        osd = _broadcast_from_rank0(osd, groups[0])
     state: dict[ParamKey, Any] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]

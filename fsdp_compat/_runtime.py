@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import _engine
+from ._collectives import all_ranks_agree, mesh_groups
 from ._full_tensors import gather_full_tensors
 from ._common import TrainingState, warn_once, wrappers_in
 from ._mesh import HYBRID_STRATEGIES
@@ -193,9 +194,12 @@ def clip_grad_norm_(wrapper: FullyShardedDataParallel, max_norm: float | int,
     FSDP1's coefficient ``min(max_norm / (total + 1e-6), 1)`` and return dtype (gradients'
     promoted dtype; FP32, with a warning, on a rank without gradients).
     """
-    if not wrapper._is_root:
-        raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
-    max_norm, norm_type = _check_clip_args(max_norm, norm_type)
+    # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes.
+    with all_ranks_agree(mesh_groups(wrapper._device_mesh), "The clip_grad_norm_() arguments",
+                         "no gradient was clipped on any rank"):
+        if not wrapper._is_root:
+            raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
+        max_norm, norm_type = _check_clip_args(max_norm, norm_type)
     grads = [param.grad for param in wrapper.parameters() if param.grad is not None]
     total = _total_norm(_group_grads_by_sharding(grads), norm_type, wrapper.compute_device)
     if wrapper.cpu_offload.offload_params:
@@ -328,9 +332,12 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     wrappers are in ``SUMMON_FULL_PARAMS`` (clean ``named_parameters()`` names, no forward).
     """
     wrappers = wrappers_in(module) if recurse else [w for w in wrappers_in(module) if w is module]
-    _validate_summon_args(wrappers, writeback, rank0_only, offload_to_cpu, with_grads)
-    for wrapper in wrappers:
-        _check_can_summon(wrapper)
+    # Arguments bad on one rank only must not leave the others waiting in the gathers.
+    with all_ranks_agree(mesh_groups(wrappers[0]._device_mesh) if wrappers else [],
+                         "The summon_full_params() arguments", "no parameters were gathered on any rank"):
+        _validate_summon_args(wrappers, writeback, rank0_only, offload_to_cpu, with_grads)
+        for wrapper in wrappers:
+            _check_can_summon(wrapper)
     summoned: list[_SummonedParam] = []
     try:
         for wrapper in wrappers:
@@ -361,17 +368,11 @@ def apply_with_full_params(wrapper: FullyShardedDataParallel,
 # ---------------------------------------------------------------------------------------------
 
 
-def register_comm_hook(wrapper: FullyShardedDataParallel, state: object, hook: Callable[..., Any]) -> None:
-    """FSDP1's ``register_comm_hook``: ``hook`` replaces the gradient communication of every unit.
-
-    Sharded units call ``hook(state, grad, output)`` (``grad``: the unit's flat, padded local
-    gradient; ``output``: this rank's reduced chunk), ``NO_SHARD`` units ``hook(state, grad)``
-    (all-reduce in place), once per unit per synced backward. The hook does its own averaging,
-    as torch's default hooks do. Everything is checked before anything is registered.
-    """
+def _check_comm_hook(wrapper: FullyShardedDataParallel, units: list[FullyShardedDataParallel],
+                     hook: Any) -> None:
+    """FSDP1's checks, in its order and with its exception types."""
     if not wrapper._is_root:
         raise AssertionError("register_comm_hook can only be called on a root instance.")
-    units = wrappers_in(wrapper)
     for unit in units:
         if unit.sharding_strategy in HYBRID_STRATEGIES:
             raise AssertionError(f"Communication hook is not supported for hybrid strategies: "
@@ -380,6 +381,22 @@ def register_comm_hook(wrapper: FullyShardedDataParallel, state: object, hook: C
             raise AssertionError("A communication hook is already registered")
     if not callable(hook):
         raise ValueError(f"The communication hook must be callable but got {hook}")
+
+
+def register_comm_hook(wrapper: FullyShardedDataParallel, state: object, hook: Callable[..., Any]) -> None:
+    """FSDP1's ``register_comm_hook``: ``hook`` replaces the gradient communication of every unit.
+
+    Sharded units call ``hook(state, grad, output)`` (``grad``: the unit's flat, padded local
+    gradient; ``output``: this rank's reduced chunk), ``NO_SHARD`` units ``hook(state, grad)``
+    (all-reduce in place), once per unit per synced backward. The hook does its own averaging,
+    as torch's default hooks do. Everything is checked before anything is registered.
+    """
+    units = wrappers_in(wrapper)
+    # A hook registered on some ranks only would pair its collectives with the engine's default
+    # ones on the others: all ranks raise, and none registers.
+    with all_ranks_agree(mesh_groups(wrapper._device_mesh), "The register_comm_hook() arguments",
+                         "no hook was registered on any rank"):
+        _check_comm_hook(wrapper, units, hook)
     for unit in units:
         unit._comm_hook = hook
         unit._comm_hook_state = state

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _mixed_precision
+from ._collectives import all_ranks_agree, mesh_groups
 from ._full_tensors import gather_full_tensors
 from ._state_dict_entries import (
     _check_not_in_iteration,
@@ -66,6 +67,7 @@ __all__ = [
     "get_state_dict_type",
     "init_state_dict_settings",
     "load_state_dict",
+    "restore_state_dict_type",
     "set_state_dict_type",
     "state_dict",
 ]
@@ -105,12 +107,33 @@ def set_state_dict_type(
     wrappers = wrappers_in(module)
     if state_dict_type is None and not wrappers:
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
-    state_dict_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
-    config_class, optim_config_class = _CONFIG_CLASSES[state_dict_type]
-    state_dict_config = _exact_config(state_dict_config, StateDictConfig, config_class, "state_dict_config")
-    optim_state_dict_config = _exact_config(optim_state_dict_config, OptimStateDictConfig,
-                                            optim_config_class, "optim_state_dict_config")
-    previous = _previous_settings(wrappers)
+    # Arguments given on one rank only must not let the other ranks go on to a state dict's
+    # collectives alone: all ranks raise, and no wrapper changes anywhere.
+    groups = mesh_groups(wrappers[0]._device_mesh) if wrappers else []
+    with all_ranks_agree(groups, "The set_state_dict_type() arguments", "no settings changed on any rank"):
+        state_dict_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
+        config_class, optim_config_class = _CONFIG_CLASSES[state_dict_type]
+        state_dict_config = _exact_config(state_dict_config, StateDictConfig, config_class, "state_dict_config")
+        optim_state_dict_config = _exact_config(optim_state_dict_config, OptimStateDictConfig,
+                                                optim_config_class, "optim_state_dict_config")
+        previous = _previous_settings(wrappers)
+    return _apply_settings(wrappers, state_dict_type, state_dict_config, optim_state_dict_config, previous)
+
+
+def restore_state_dict_type(module: nn.Module, settings: StateDictSettings) -> None:
+    """Put back what :func:`set_state_dict_type` returned (``state_dict_type``'s exit). The
+    values were checked and agreed on when they were set, so this is local: a rank leaving the
+    context by an exception does not wait for the others."""
+    wrappers = wrappers_in(module)
+    if settings.state_dict_type is None:
+        return
+    _apply_settings(wrappers, settings.state_dict_type, settings.state_dict_config,
+                    settings.optim_state_dict_config, settings)
+
+
+def _apply_settings(wrappers: list[FullyShardedDataParallel], state_dict_type: StateDictType,
+                    state_dict_config: StateDictConfig, optim_state_dict_config: OptimStateDictConfig,
+                    previous: StateDictSettings) -> StateDictSettings:
     for wrapper in wrappers:
         wrapper._state_dict_type = state_dict_type
         wrapper._state_dict_config = state_dict_config

@@ -24,8 +24,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine, _flat_checkpoint
+from ._collectives import all_ranks_agree, broadcast_object, mesh_groups, ranks_where
 from ._engine import IncompatibleKeys
-from ._collectives import broadcast_object
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_name
 from ._full_tensors import sharded_tensor_local_piece
 from ._state_dict_entries import (
@@ -64,9 +64,10 @@ def load_state_dict(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, 
     LOCAL), ``DTensor`` and ``ShardedTensor`` (any layout). ``strict=False`` reports missing and
     unexpected keys as ``nn.Module`` does.
     """
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
-    _check_not_in_iteration(wrapper, "load_state_dict()")
+    with _agreement(wrapper):  # input given on one rank only must not leave the others waiting
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+        _check_not_in_iteration(wrapper, "load_state_dict()")
     state_dict_type, _ = _effective_settings(wrapper)
     metadata = getattr(state_dict, "_metadata", None)
     _reshard_units(wrapper)
@@ -171,11 +172,11 @@ def _from_fsdp1_flat_params(wrapper: FullyShardedDataParallel, state_dict: Mappi
     """FSDP1's LOCAL format (one flat parameter per unit) as per-parameter values (see
     ``_flat_checkpoint``). Ranks agree first on whether any of them holds flat parameters, then
     on whether they fit this model; a misfit raises ``ValueError`` everywhere, nothing loaded."""
-    # ``_failed_ranks`` lists the ranks whose flag is set: here, those holding flat parameters.
-    if not _failed_ranks(wrapper, _flat_checkpoint.holds_flat_params(state_dict)):
+    groups = mesh_groups(wrapper._device_mesh)
+    if not ranks_where(_flat_checkpoint.holds_flat_params(state_dict), groups):
         return state_dict
     units, errors = _flat_checkpoint.plan(wrapper, state_dict)
-    failed = _failed_ranks(wrapper, bool(errors))
+    failed = ranks_where(bool(errors), groups)
     if failed:
         raise ValueError(_flat_checkpoint.misfit_message(errors, failed))
     return _flat_checkpoint.unflatten(units, state_dict, entries)
@@ -320,25 +321,17 @@ def _is_distributed(value: Any) -> bool:
 
 
 def _agree_or_raise(wrapper: FullyShardedDataParallel, errors: list[str]) -> None:
-    """Raise the same ``RuntimeError`` on every rank if the checks failed on any of them, so that
-    no rank copies while another one raises."""
-    failed = _failed_ranks(wrapper, bool(errors))
-    if not failed:
-        return
-    if not errors:
-        errors = [f"The state dict is invalid on rank(s) {failed} (see the error raised there); "
-                  "nothing was loaded on any rank."]
-    raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
-        type(wrapper).__name__, "\n\t".join(errors)))
+    """Raise on every rank if the checks failed on any of them, so that no rank copies while
+    another one raises."""
+    with _agreement(wrapper):
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(wrapper).__name__, "\n\t".join(errors)))
 
 
-def _failed_ranks(wrapper: FullyShardedDataParallel, failed_here: bool) -> list[int]:
-    mesh = wrapper._device_mesh
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=wrapper.compute_device)
-    flags[dist.get_rank()] = int(failed_here)
-    for dim in range(mesh.ndim):  # along each mesh dimension in turn: every rank of the mesh
-        dist.all_reduce(flags, group=mesh.get_group(dim))
-    return flags.nonzero().flatten().tolist()
+def _agreement(wrapper: FullyShardedDataParallel) -> contextlib.AbstractContextManager[None]:
+    """Checks that raise on any rank of the wrapper's mesh raise on all of them."""
+    return all_ranks_agree(mesh_groups(wrapper._device_mesh), "The state dict", "nothing was loaded on any rank")
 
 
 @torch.no_grad()

@@ -2,8 +2,9 @@
 
 ``python -m fsdp_compat.demo`` launches 2 local ranks itself (gloo on CPU; NCCL with one GPU per
 rank when enough GPUs are present); under ``torchrun`` it uses the launcher's ranks. It trains on
-synthetic tokens, saves a FULL and a SHARDED checkpoint (model + optimizer) half-way, finishes the
-run, then builds a fresh model, resumes from the SHARDED checkpoint, trains the remaining steps and
+synthetic tokens, saves a FULL and a SHARDED checkpoint (model + optimizer) half-way into a fresh
+directory, points the ``latest`` marker at it once every rank has saved, finishes the run, then
+builds a fresh model, resumes from the checkpoint ``latest`` names, trains the remaining steps and
 reports whether the resumed run matches the uninterrupted one. ``--compare-fsdp1`` also runs
 torch's own FSDP1 on the same seeds and prints the per-step loss difference.
 """
@@ -47,6 +48,7 @@ from .wrap import ModuleWrapPolicy
 
 MODEL_CONFIG = GPTConfig(vocab_size=251, block_size=32, n_layer=4, n_head=4, n_embd=64)
 GLOBAL_BATCH = 8
+LATEST = "latest"  # the marker file naming the newest complete checkpoint directory
 LEARNING_RATE = 3e-3
 
 
@@ -217,36 +219,48 @@ class Demo:
             self.log(f"[{bar}] {label} step {done}/{self.options.steps}  loss {losses[-1]:.5f}  "
                      f"step time {elapsed * 1000:.0f} ms  peak memory {_peak_memory_mib(self.device):.0f} MiB")
             if checkpoint_at is not None and done == checkpoint_at:
-                self.save(model, optimizer)
+                self.save(model, optimizer, done)
         return losses
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        full_path = self.checkpoint_dir / "full.pt"
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Save into a fresh directory; switch the ``latest`` marker only after every rank returned.
+
+        A save killed midway into an existing checkpoint's directory would leave new data under
+        old metadata, which ``dcp.load`` reads without error: a fresh directory per checkpoint and
+        a marker written last (atomically) mean a crash leaves the previous checkpoint in use.
+        """
+        directory = Path(broadcast_object(
+            tempfile.mkdtemp(prefix=f"step-{step:06d}-", dir=self.checkpoint_dir) if self.rank == 0 else None))
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
                                   FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
                                   FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)):
             full = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
         if self.rank == 0:
-            torch.save(full, full_path)
+            torch.save(full, directory / "full.pt")
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             sharded = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
-        dcp.save(sharded, checkpoint_id=str(self.checkpoint_dir / "sharded"))
-        dist.barrier()
-        self.log(f"saved FULL checkpoint {full_path} and SHARDED checkpoint {self.checkpoint_dir / 'sharded'}")
+        dcp.save(sharded, checkpoint_id=str(directory / "sharded"))
+        dist.barrier()  # every rank has returned from both saves
+        if self.rank == 0:
+            _switch_latest(self.checkpoint_dir, directory)
+        dist.barrier()  # nobody resumes before the marker names the new checkpoint
+        self.log(f"saved FULL checkpoint {directory / 'full.pt'} and SHARDED checkpoint "
+                 f"{directory / 'sharded'}; {self.checkpoint_dir / LATEST} now names {directory.name}")
 
     def resume(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model, optimizer = self.build()
+        directory = self.checkpoint_dir / (self.checkpoint_dir / LATEST).read_text().strip()
         # A fresh optimizer has no state yet, so its state dict could not serve as the template
         # that dcp.load fills in: give it zero state first (the loaded state replaces all of it).
         _give_optimizer_zero_state(optimizer)
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
-            dcp.load(state, checkpoint_id=str(self.checkpoint_dir / "sharded"))
+            dcp.load(state, checkpoint_id=str(directory / "sharded"))
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state["optim"]))
-        self.log("resumed a fresh model and optimizer from the SHARDED checkpoint")
+        self.log(f"resumed a fresh model and optimizer from the SHARDED checkpoint {LATEST} names ({directory.name})")
         return model, optimizer
 
     # -- the whole run -----------------------------------------------------------------------
@@ -308,6 +322,14 @@ class Demo:
             dist.barrier()
             if self.rank == 0:
                 shutil.rmtree(name, ignore_errors=True)
+
+
+def _switch_latest(checkpoint_dir: Path, directory: Path) -> None:
+    """Point the ``latest`` marker at ``directory``: written aside, then renamed over the old
+    marker (atomic), so a reader sees the old name or the new one, never half of either."""
+    pending = checkpoint_dir / (LATEST + ".pending")
+    pending.write_text(directory.name + "\n")
+    os.replace(pending, checkpoint_dir / LATEST)
 
 
 @torch.no_grad()

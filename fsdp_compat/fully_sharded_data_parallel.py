@@ -25,7 +25,9 @@ from ._init_utils import (
     broadcast_from_rank0,
     check_container_has_no_own_params,
     check_module,
+    check_not_shared_with_another_root,
     is_forwardless_container,
+    remember_sharded,
     resolve_ignored_states,
 )
 from ._mesh import build_mesh, resolve_device
@@ -121,6 +123,7 @@ class FullyShardedDataParallel(nn.Module):
 
         self._ignored_modules, self._ignored_params = resolve_ignored_states(
             module, ignored_modules, ignored_states, FullyShardedDataParallel)
+        check_not_shared_with_another_root(module, self._ignored_params, FullyShardedDataParallel)
         self.compute_device = resolve_device(device_id, process_group)
         self._device_mesh = build_mesh(self.sharding_strategy, process_group, device_mesh,
                                        self.compute_device)
@@ -171,6 +174,7 @@ class FullyShardedDataParallel(nn.Module):
             offload_policy=_mixed_precision.engine_offload_policy(self.cpu_offload, self.compute_device),
             ignored_params=self._ignored_params,
         )
+        remember_sharded(_engine.sharded_params(module))
 
     # ------------------------------------------------------------------------------------------
     # Construction helpers
@@ -333,9 +337,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             yield
         finally:
-            FullyShardedDataParallel.set_state_dict_type(
-                module, previous.state_dict_type, previous.state_dict_config,
-                previous.optim_state_dict_config)
+            _state_dict.restore_state_dict_type(module, previous)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, Any]:

@@ -16,7 +16,10 @@ def test_demo_trains_checkpoints_and_resumes(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed run matches the uninterrupted one" in result.stdout
     assert "[####] resume step 4/4" in result.stdout
-    assert (tmp_path / "full.pt").exists() and (tmp_path / "sharded").is_dir()
+    # Each checkpoint goes to a fresh directory; the "latest" marker names it once every rank saved.
+    latest = tmp_path / (tmp_path / "latest").read_text().strip()
+    assert latest.name.startswith("step-000002")
+    assert (latest / "full.pt").exists() and (latest / "sharded").is_dir()
 
 
 def test_demo_help_lists_the_options():
