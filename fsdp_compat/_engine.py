@@ -7,6 +7,8 @@ upgrade that moves the internals breaks this file only.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,25 +17,75 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-# Public FSDP2 entry points. ``replicate`` (the FSDP2-based one) lives in a private package.
-from torch.distributed.fsdp._fully_shard import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
-from torch.distributed._composable.replicate_with_fsdp import replicate
+# ---- torch versions: the tested range, and the engine pieces this adapter needs ----
 
-# Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
+# The torch releases the whole suite passes on, as [first, end) of (major, minor); ``setup.cfg``
+# states the same range. Any other torch gets one warning at import.
+TESTED_TORCH = ((2, 13), (2, 16))
+_SUPPORTED = "torch>=2.13,<2.16"
+
+
+def _torch_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``2.15.0+cu132`` or ``2.16.0a0``."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def warn_if_untested(version: str = torch.__version__) -> bool:
+    """Warn when ``version`` is outside :data:`TESTED_TORCH` (called once, at import)."""
+    first, end = TESTED_TORCH
+    if first <= _torch_release(version) < end:
+        return False
+    warnings.warn(f"fsdp_compat is tested with {_SUPPORTED}, not torch {version}. It runs as long "
+                  "as torch's FSDP2 engine has what it needs, but compare your training (losses, "
+                  "gradient dtypes) with a tested torch before relying on it.", UserWarning,
+                  stacklevel=2)
+    return True
+
+
+def _missing_engine_piece(piece: str) -> ImportError:
+    """The error for a torch whose FSDP2 engine lacks ``piece`` (something this adapter uses)."""
+    return ImportError(f"fsdp_compat cannot run on torch {torch.__version__}: its FSDP2 engine "
+                       f"lacks {piece}. fsdp_compat supports {_SUPPORTED}; install one of those.")
+
+
+def _require_methods(cls: type, *names: str) -> None:
+    """Fail at import, naming what is missing, when ``cls`` lacks a method this adapter calls."""
+    for name in names:
+        if not callable(getattr(cls, name, None)):
+            raise _missing_engine_piece(f"{cls.__module__}.{cls.__qualname__}.{name}")
+
+
+warn_if_untested()
+
+try:
+    # Public FSDP2 entry points. ``replicate`` (the FSDP2-based one) lives in a private package.
+    from torch.distributed.fsdp._fully_shard import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    # Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, unsafe_setattr_param
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+except ImportError as _error:
+    raise _missing_engine_piece(f"a piece fsdp_compat imports ({_error})") from _error
+
+_require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetch",
+                 "set_requires_gradient_sync", "set_requires_all_reduce", "_get_fsdp_state")
+_require_methods(FSDPParam, "reset_sharded_param")
+_require_methods(FSDPParamGroup, "_init_mp_dtypes")
+
 import copy
 from collections.abc import Callable
 
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
-from torch.distributed.fsdp._fully_shard._fsdp_param import unsafe_setattr_param
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -204,14 +256,26 @@ def recover_interrupted_iteration(module: nn.Module) -> bool:
     if (state is None or state._is_root is not True or torch._C._current_graph_task_id() != -1
             or not iteration_in_progress(module)):
         return False
+    fsdp_params = [fsdp_param for unit_state in state._state_ctx.all_states
+                   for group in unit_state._fsdp_param_groups for fsdp_param in group.fsdp_params]
+    # Gradients already reduced stay until ``zero_grad()`` (the engine from torch 2.15 drops
+    # them on reset, earlier ones keep them: same behaviour on every torch).
+    reduced = [(fsdp_param.sharded_param, fsdp_param.sharded_param.grad) for fsdp_param in fsdp_params]
     reset_iteration(module)
-    for unit_state in state._state_ctx.all_states:
-        for group in unit_state._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                if hasattr(fsdp_param, "_unsharded_param"):
-                    fsdp_param._unsharded_param.grad = None
-                fsdp_param.unsharded_accumulated_grad = None
+    for fsdp_param in fsdp_params:
+        if hasattr(fsdp_param, "_unsharded_param"):
+            fsdp_param._unsharded_param.grad = None
+        _drop_accumulated_grad(fsdp_param)
+    for param, grad in reduced:
+        param.grad = grad
     return True
+
+
+def _drop_accumulated_grad(fsdp_param: Any) -> None:
+    """Drop ``no_sync`` accumulation kept apart from ``.grad`` (torch < 2.15 does, in the reduce
+    dtype; from 2.15 ``unsharded_accumulated_grad`` is a read-only view of ``.grad``)."""
+    if not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+        fsdp_param.unsharded_accumulated_grad = None
 
 
 class _CommHookReduceScatter(ReduceScatter):
