@@ -262,11 +262,22 @@ def no_sync_gradient_checksums(ours: bool, precision: str, strategy: str) -> dic
     return checksums
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+# FSDP1 accumulates in the compute dtype and casts to ``reduce_dtype`` only to reduce; the engine
+# (every tested torch) accumulates in ``reduce_dtype`` when it differs from ``param_dtype``.
+_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE = pytest.mark.xfail(
+    strict=True, reason="known difference (README): no_sync accumulates in reduce_dtype, FSDP1 in the compute dtype")
+
+
+@pytest.mark.parametrize("precision", [
+    "bf16", "fp16",
+    pytest.param("bf16-reduce-fp32", marks=_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE),
+    pytest.param("reduce-bf16-only", marks=_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE),
+])
 @distributed_test(world_size=2)
-def test_no_sync_accumulates_in_param_dtype(precision):
-    """With ``reduce_dtype=None`` FSDP1 accumulates ``no_sync`` gradients in ``param_dtype`` and
-    reduces in it; torch 2.15's engine would accumulate in fp32 unless told otherwise. (FSDP1
+def test_no_sync_accumulates_in_compute_dtype(precision):
+    """FSDP1 accumulates ``no_sync`` gradients in the compute dtype (``param_dtype``, else the
+    parameter's) and reduces them in ``reduce_dtype`` (``None``: ``param_dtype``); torch 2.15's
+    engine would accumulate ``bf16`` in fp32 unless told to reduce in ``param_dtype``. (FSDP1
     itself raises here with NO_SHARD and ``use_orig_params=True``, which ``full_gradients`` needs.)"""
     diff.quiet()
     ours = no_sync_gradient_checksums(True, precision, "FULL_SHARD")
