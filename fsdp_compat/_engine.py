@@ -78,7 +78,9 @@ except ImportError as _error:
     raise _missing_engine_piece(f"a piece fsdp_compat imports ({_error})") from _error
 
 _require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetch",
-                 "set_requires_gradient_sync", "set_requires_all_reduce", "_get_fsdp_state")
+                 "set_requires_gradient_sync", "set_requires_all_reduce", "set_gradient_divide_factor",
+                 "set_force_sum_reduction_for_comms", "set_custom_reduce_scatter", "set_all_reduce_hook",
+                 "_get_fsdp_state")
 _require_methods(FSDPParam, "reset_sharded_param")
 _require_methods(FSDPParamGroup, "_init_mp_dtypes")
 
@@ -206,10 +208,12 @@ def gradient_sync_flags(module: nn.Module) -> list[GradientSyncFlags]:
 
 def set_gradient_sync_flags(module: nn.Module, flags: list[GradientSyncFlags]) -> None:
     """Restore what :func:`gradient_sync_flags` returned (both flags: HSDP and ``replicate`` need
-    ``all_reduce_grads`` back, or their gradients are never written)."""
-    for group, (reduce_grads, all_reduce_grads) in zip(param_groups(module), flags):
-        group.reduce_grads = reduce_grads
-        group.all_reduce_grads = all_reduce_grads
+    ``all_reduce_grads`` back, or their gradients are never written), through the engine's public
+    setters. A unit here has one parameter group (no ``shard_placement_fn``): one pair of flags."""
+    if isinstance(module, FSDPModule) and flags:
+        reduce_grads, all_reduce_grads = flags[0]
+        module.set_requires_gradient_sync(reduce_grads, recurse=False)
+        module.set_requires_all_reduce(all_reduce_grads, recurse=False)
 
 
 ParamSlot = tuple[nn.Module, str]
@@ -317,18 +321,21 @@ def install_comm_hook(module: nn.Module, hook: Callable[..., Any], state: object
     """Make ``hook`` do the gradient communication of the unit ``module``, as FSDP1 calls it:
     ``hook(state, grad, output)`` for sharded units, ``hook(state, grad)`` (all-reduce in place)
     for replicated (``NO_SHARD``) ones. The engine no longer averages: the hook does."""
-    for group in param_groups(module):
-        group.gradient_divide_factor = 1.0
-        group.force_sum_reduction_for_comms = True  # with factor 1: no pre/post division at all
-        if isinstance(group.mesh_info, FSDPMeshInfo):
-            group._reduce_scatter_comm = _CommHookReduceScatter(hook, state)
-            continue
-        # ``replicate`` has no pluggable all-reduce, only a hook run after it: point its
-        # all-reduce at a one-rank group and let the FSDP1 hook be the real communication.
+    groups = param_groups(module)
+    if not groups:
+        return
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # with factor 1: no pre/post division at all
+    if all(isinstance(group.mesh_info, FSDPMeshInfo) for group in groups):
+        module.set_custom_reduce_scatter(_CommHookReduceScatter(hook, state))
+        return
+    # ``replicate`` has no pluggable all-reduce, only a hook run after it: point its
+    # all-reduce at a one-rank group and let the FSDP1 hook be the real communication.
+    for group in groups:
         mesh_info = copy.copy(group.mesh_info)
         mesh_info.replicate_process_group = _group_of_this_rank_only()
         group.mesh_info = mesh_info
-        group._all_reduce_hook = lambda grad, hook=hook, state=state: hook(state, grad)
+    module.set_all_reduce_hook(lambda grad, hook=hook, state=state: hook(state, grad))
 
 
 # ---- state dicts (``_state_dict``) ----
