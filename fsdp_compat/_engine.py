@@ -192,6 +192,10 @@ def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
         fsdp_param.reset_sharded_param()
         if grad is not None:
             param.grad = grad.to(dtype)
+    # Safe outside lazy initialisation on every tested torch: the callers' check guarantees that
+    # lazy init is still to come, and it re-runs this and what depends on it (torch 2.15 also
+    # orders the reduce-scatter by gradient dtype there); this call only keeps the dtypes right
+    # for anything read in between.
     for group in param_groups(module):
         group._init_mp_dtypes()
 
