@@ -60,6 +60,7 @@ warn_if_untested()
 
 try:
     # Public FSDP2 entry points. ``replicate`` (the FSDP2-based one) lives in a private package.
+    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp._fully_shard import (
         CPUOffloadPolicy,
         FSDPModule,
@@ -67,12 +68,17 @@ try:
         OffloadPolicy,
         fully_shard,
     )
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+
     # Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, unsafe_setattr_param
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        TrainingState as _EngineTrainingState,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_param import (
+        FSDPParam,
+        unsafe_setattr_param,
+    )
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 except ImportError as _error:
     raise _missing_engine_piece(f"a piece fsdp_compat imports ({_error})") from _error

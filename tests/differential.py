@@ -30,8 +30,8 @@ import fsdp_compat
 import fsdp_compat.wrap
 
 try:  # FSDP1 is the oracle; tests fall back to golden files when torch no longer ships it.
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     import torch.distributed.fsdp.wrap as torch_wrap
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 except ImportError:  # no FSDP1 in this torch, or FSDP_COMPAT_WITHOUT_FSDP1=1 (tests/without_fsdp1.py)
     TorchFSDP = None
     torch_wrap = None

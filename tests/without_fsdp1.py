@@ -54,9 +54,9 @@ def _absent(what: str) -> NoReturn:
 
 class _RefuseFSDP1(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        """Refuse FSDP1's modules; anything else: no answer (``None``), the other finders decide."""
         if fullname in BLOCKED_MODULES or any(fullname.startswith(m + ".") for m in BLOCKED_MODULES):
             _absent(f"import {fullname}")
-        return None
 
 
 def _poisoned(what: str) -> Any:
