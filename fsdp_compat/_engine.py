@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,23 +19,80 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-# Public FSDP2 entry points.
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+# ---- torch versions: the tested range, and the engine pieces this adapter needs ----
 
-# ``replicate`` (the FSDP2-based one) lives in a private package.
-from torch.distributed._composable.replicate_with_fsdp import replicate
+# The torch releases the whole suite passes on, as [first, end) of (major, minor); ``setup.cfg``
+# states the same range. Any other torch gets one warning at import.
+TESTED_TORCH = ((2, 13), (2, 16))
+_SUPPORTED = "torch>=2.13,<2.16"
 
-# Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
-from torch.distributed.fsdp._fully_shard._fsdp_param import unsafe_setattr_param
+
+def _torch_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``2.15.0+cu132`` or ``2.16.0a0``."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def warn_if_untested(version: str = torch.__version__) -> bool:
+    """Warn when ``version`` is outside :data:`TESTED_TORCH` (called once, at import)."""
+    first, end = TESTED_TORCH
+    if first <= _torch_release(version) < end:
+        return False
+    warnings.warn(f"fsdp_compat is tested with {_SUPPORTED}, not torch {version}. It runs as long "
+                  "as torch's FSDP2 engine has what it needs, but compare your training (losses, "
+                  "gradient dtypes) with a tested torch before relying on it.", UserWarning,
+                  stacklevel=2)
+    return True
+
+
+def _missing_engine_piece(piece: str) -> ImportError:
+    """The error for a torch whose FSDP2 engine lacks ``piece`` (something this adapter uses)."""
+    return ImportError(f"fsdp_compat cannot run on torch {torch.__version__}: its FSDP2 engine "
+                       f"lacks {piece}. fsdp_compat supports {_SUPPORTED}; install one of those.")
+
+
+def _require_methods(cls: type, *names: str) -> None:
+    """Fail at import, naming what is missing, when ``cls`` lacks a method this adapter calls."""
+    for name in names:
+        if not callable(getattr(cls, name, None)):
+            raise _missing_engine_piece(f"{cls.__module__}.{cls.__qualname__}.{name}")
+
+
+warn_if_untested()
+
+try:
+    # Public FSDP2 entry points.
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    # ``replicate`` (the FSDP2-based one) lives in a private package.
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    # Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        TrainingState as _EngineTrainingState,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_param import (
+        FSDPParam,
+        unsafe_setattr_param,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+except ImportError as _error:
+    raise _missing_engine_piece(f"a piece fsdp_compat imports ({_error})") from _error
+
+_require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetch",
+                 "set_requires_gradient_sync", "set_requires_all_reduce", "set_gradient_divide_factor",
+                 "set_force_sum_reduction_for_comms", "set_custom_reduce_scatter", "set_all_reduce_hook",
+                 "_get_fsdp_state")
+_require_methods(FSDPParam, "reset_sharded_param")
+_require_methods(FSDPParamGroup, "_init_mp_dtypes")
 
 # Torch-private names outside FSDP2 (see the last section).
 from torch.distributed.tensor import DTensor
@@ -158,6 +217,10 @@ def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
         fsdp_param.reset_sharded_param()
         if grad is not None:
             param.grad = grad.to(dtype)
+    # Safe outside lazy initialisation on every tested torch: the callers' check guarantees that
+    # lazy init is still to come, and it re-runs this and what depends on it (torch 2.15 also
+    # orders the reduce-scatter by gradient dtype there); this call only keeps the dtypes right
+    # for anything read in between.
     for group in param_groups(module):
         group._init_mp_dtypes()
 
@@ -174,10 +237,12 @@ def gradient_sync_flags(module: nn.Module) -> list[GradientSyncFlags]:
 
 def set_gradient_sync_flags(module: nn.Module, flags: list[GradientSyncFlags]) -> None:
     """Restore what :func:`gradient_sync_flags` returned (both flags: HSDP and ``replicate`` need
-    ``all_reduce_grads`` back, or their gradients are never written)."""
-    for group, (reduce_grads, all_reduce_grads) in zip(param_groups(module), flags):
-        group.reduce_grads = reduce_grads
-        group.all_reduce_grads = all_reduce_grads
+    ``all_reduce_grads`` back, or their gradients are never written), through the engine's public
+    setters. A unit here has one parameter group (no ``shard_placement_fn``): one pair of flags."""
+    if isinstance(module, FSDPModule) and flags:
+        reduce_grads, all_reduce_grads = flags[0]
+        module.set_requires_gradient_sync(reduce_grads, recurse=False)
+        module.set_requires_all_reduce(all_reduce_grads, recurse=False)
 
 
 ParamSlot = tuple[nn.Module, str]
@@ -224,14 +289,26 @@ def recover_interrupted_iteration(module: nn.Module) -> bool:
     if (state is None or state._is_root is not True or torch._C._current_graph_task_id() != -1
             or not iteration_in_progress(module)):
         return False
+    fsdp_params = [fsdp_param for unit_state in state._state_ctx.all_states
+                   for group in unit_state._fsdp_param_groups for fsdp_param in group.fsdp_params]
+    # Gradients already reduced stay until ``zero_grad()`` (the engine from torch 2.15 drops
+    # them on reset, earlier ones keep them: same behaviour on every torch).
+    reduced = [(fsdp_param.sharded_param, fsdp_param.sharded_param.grad) for fsdp_param in fsdp_params]
     reset_iteration(module)
-    for unit_state in state._state_ctx.all_states:
-        for group in unit_state._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                if hasattr(fsdp_param, "_unsharded_param"):
-                    fsdp_param._unsharded_param.grad = None
-                fsdp_param.unsharded_accumulated_grad = None
+    for fsdp_param in fsdp_params:
+        if hasattr(fsdp_param, "_unsharded_param"):
+            fsdp_param._unsharded_param.grad = None
+        _drop_accumulated_grad(fsdp_param)
+    for param, grad in reduced:
+        param.grad = grad
     return True
+
+
+def _drop_accumulated_grad(fsdp_param: Any) -> None:
+    """Drop ``no_sync`` accumulation kept apart from ``.grad`` (torch < 2.15 does, in the reduce
+    dtype; from 2.15 ``unsharded_accumulated_grad`` is a read-only view of ``.grad``)."""
+    if not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+        fsdp_param.unsharded_accumulated_grad = None
 
 
 class _CommHookReduceScatter(ReduceScatter):
@@ -273,18 +350,21 @@ def install_comm_hook(module: nn.Module, hook: Callable[..., Any], state: object
     """Make ``hook`` do the gradient communication of the unit ``module``, as FSDP1 calls it:
     ``hook(state, grad, output)`` for sharded units, ``hook(state, grad)`` (all-reduce in place)
     for replicated (``NO_SHARD``) ones. The engine no longer averages: the hook does."""
-    for group in param_groups(module):
-        group.gradient_divide_factor = 1.0
-        group.force_sum_reduction_for_comms = True  # with factor 1: no pre/post division at all
-        if isinstance(group.mesh_info, FSDPMeshInfo):
-            group._reduce_scatter_comm = _CommHookReduceScatter(hook, state)
-            continue
-        # ``replicate`` has no pluggable all-reduce, only a hook run after it: point its
-        # all-reduce at a one-rank group and let the FSDP1 hook be the real communication.
+    groups = param_groups(module)
+    if not groups:
+        return
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # with factor 1: no pre/post division at all
+    if all(isinstance(group.mesh_info, FSDPMeshInfo) for group in groups):
+        module.set_custom_reduce_scatter(_CommHookReduceScatter(hook, state))
+        return
+    # ``replicate`` has no pluggable all-reduce, only a hook run after it: point its
+    # all-reduce at a one-rank group and let the FSDP1 hook be the real communication.
+    for group in groups:
         mesh_info = copy.copy(group.mesh_info)
         mesh_info.replicate_process_group = _group_of_this_rank_only()
         group.mesh_info = mesh_info
-        group._all_reduce_hook = lambda grad, hook=hook, state=state: hook(state, grad)
+    module.set_all_reduce_hook(lambda grad, hook=hook, state=state: hook(state, grad))
 
 
 # ---- state dicts (``_state_dict``) ----

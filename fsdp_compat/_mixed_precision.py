@@ -2,8 +2,8 @@
 
 Field by field (FSDP1 semantics, and who implements them):
 
-* ``param_dtype`` / ``reduce_dtype``: the engine's ``MixedPrecisionPolicy`` (same defaults:
-  ``reduce_dtype=None`` reduces in ``param_dtype``); sharded master parameters keep their dtype.
+* ``param_dtype`` / ``reduce_dtype``: the engine's ``MixedPrecisionPolicy`` (``reduce_dtype=None``
+  is passed as ``param_dtype``, FSDP1's meaning); sharded master parameters keep their dtype.
 * ``cast_forward_inputs``: the engine's per-unit input cast. ``cast_root_forward_inputs``: ours,
   at the root wrapper (:func:`root_pre_forward`).
 * ``buffer_dtype``: ours. Like FSDP1, buffers are cast once, when the root runs its first forward,
@@ -66,12 +66,15 @@ def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolic
     """The engine's policy for FSDP1's ``MixedPrecision`` (parameter and reduction dtypes).
 
     FSDP2 defaults ``cast_forward_inputs`` to True; FSDP1 to False, so it is always passed.
+    FSDP1's ``reduce_dtype=None`` reduces (and accumulates ``no_sync`` gradients) in
+    ``param_dtype``; the engine's ``None`` means that only before torch 2.15 (from 2.15 it means
+    the parameter's own dtype), so ``param_dtype`` is passed explicitly: the same on every torch.
     """
     if mixed_precision is None:
         return MixedPrecisionPolicy(cast_forward_inputs=False)
     return MixedPrecisionPolicy(
         param_dtype=mixed_precision.param_dtype,
-        reduce_dtype=mixed_precision.reduce_dtype,
+        reduce_dtype=mixed_precision.reduce_dtype or mixed_precision.param_dtype,
         cast_forward_inputs=mixed_precision.cast_forward_inputs,
     )
 

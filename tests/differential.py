@@ -26,17 +26,23 @@ from fsdp_compat.examples import Block, GPTConfig, TinyGPT, synthetic_batch
 GLOBAL_BATCH = 4
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
+import fsdp_compat
+import fsdp_compat.wrap
+
 try:  # FSDP1 is the oracle; tests fall back to golden files when torch no longer ships it.
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    import torch.distributed.fsdp as torch_fsdp
     import torch.distributed.fsdp.wrap as torch_wrap
-except ImportError:  # pragma: no cover - depends on the torch version
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+except ImportError:  # no FSDP1 in this torch, or FSDP_COMPAT_WITHOUT_FSDP1=1 (tests/without_fsdp1.py)
     TorchFSDP = None
-    torch_fsdp = None
     torch_wrap = None
 
-# ``FSDP_COMPAT_WITHOUT_FSDP1=1`` runs the tests as if torch no longer shipped FSDP1 (golden files).
-HAVE_FSDP1 = TorchFSDP is not None and os.environ.get("FSDP_COMPAT_WITHOUT_FSDP1") != "1"
+import torch.distributed.fsdp
+
+# FSDP1's public enums and config classes as a drop-in user passes them: torch's own, or
+# fsdp_compat's (equal to torch's) once torch no longer ships them.
+torch_fsdp = torch.distributed.fsdp if hasattr(torch.distributed.fsdp, "ShardingStrategy") else fsdp_compat
+
+HAVE_FSDP1 = TorchFSDP is not None
 
 
 def device() -> torch.device:
@@ -54,8 +60,9 @@ def make_model(seed: int = 0, config: GPTConfig | None = None, on_device: bool =
 
 
 def block_policy_torch() -> Any:
-    """torch's ModuleWrapPolicy over transformer blocks (what a drop-in user passes)."""
-    return torch_wrap.ModuleWrapPolicy({Block})
+    """torch's ModuleWrapPolicy over transformer blocks (what a drop-in user passes); ours, which
+    wraps the same units, once torch no longer ships FSDP1's ``wrap`` module."""
+    return (torch_wrap or fsdp_compat.wrap).ModuleWrapPolicy({Block})
 
 
 def local_batch(step: int, config: GPTConfig | None = None, global_batch: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ when torch no longer ships FSDP1.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -237,6 +238,54 @@ def test_reduction_runs_in_reduce_dtype(precision, strategy):
     policy = PRECISIONS[precision]
     wanted = policy.get("reduce_dtype") or policy["param_dtype"]
     assert ours == expected == [str(wanted)]
+
+
+# ---------------------------------------------------------------------------------------------
+# no_sync: the dtype gradients accumulate in between synchronised backwards
+# ---------------------------------------------------------------------------------------------
+
+
+def no_sync_gradient_checksums(ours: bool, precision: str, strategy: str) -> dict[str, float]:
+    """Two backwards under ``no_sync`` and one synced; per parameter, a weighted sum of the
+    reduced gradient. The weights make every element count, so rounding the accumulation in a
+    different dtype (bf16 instead of fp32: about 2**-9 per element) moves the checksum."""
+    wrapped = (FSDP if ours else diff.TorchFSDP)(
+        diff.make_model(), use_orig_params=True, auto_wrap_policy=diff.block_policy_torch(),
+        mixed_precision=api(ours).MixedPrecision(**PRECISIONS[precision]), **wrapper_kwargs(ours, strategy))
+    for micro in range(3):
+        with wrapped.no_sync() if micro < 2 else contextlib.nullcontext():
+            diff.loss_fn(wrapped, *diff.local_batch(micro)).backward()
+    checksums = {}
+    for name, grad in diff.full_gradients(wrapped).items():
+        weights = torch.linspace(-1.0, 1.0, grad.numel(), dtype=torch.float64).reshape(grad.shape)
+        checksums[name] = (grad.double() * weights).sum().item()
+    return checksums
+
+
+# FSDP1 accumulates in the compute dtype and casts to ``reduce_dtype`` only to reduce; the engine
+# (every tested torch) accumulates in ``reduce_dtype`` when it differs from ``param_dtype``.
+_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE = pytest.mark.xfail(
+    strict=True, reason="known difference (README): no_sync accumulates in reduce_dtype, FSDP1 in the compute dtype")
+
+
+@pytest.mark.parametrize("precision", [
+    "bf16", "fp16",
+    pytest.param("bf16-reduce-fp32", marks=_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE),
+    pytest.param("reduce-bf16-only", marks=_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE),
+])
+@distributed_test(world_size=2)
+def test_no_sync_accumulates_in_compute_dtype(precision):
+    """FSDP1 accumulates ``no_sync`` gradients in the compute dtype (``param_dtype``, else the
+    parameter's) and reduces them in ``reduce_dtype`` (``None``: ``param_dtype``); torch 2.15's
+    engine would accumulate ``bf16`` in fp32 unless told to reduce in ``param_dtype``. (FSDP1
+    itself raises here with NO_SHARD and ``use_orig_params=True``, which ``full_gradients`` needs.)"""
+    diff.quiet()
+    ours = no_sync_gradient_checksums(True, precision, "FULL_SHARD")
+    expected = fsdp1_or_golden(f"no-sync-checksums-{precision}-FULL_SHARD",
+                               lambda: no_sync_gradient_checksums(False, precision, "FULL_SHARD"))
+    assert set(ours) == set(expected)
+    for name, value in expected.items():
+        assert abs(ours[name] - value) <= 1e-6 * max(abs(value), 1e-3), (name, ours[name], value)
 
 
 # ---------------------------------------------------------------------------------------------

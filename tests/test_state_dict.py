@@ -21,7 +21,7 @@ from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat.testing import distributed_test
 from tests import differential as diff
 
-pytestmark = pytest.mark.skipif(not diff.HAVE_FSDP1, reason="differential tests need torch FSDP1")
+needs_fsdp1 = pytest.mark.skipif(not diff.HAVE_FSDP1, reason="runs torch FSDP1 side by side")
 
 FULL = fsdp_compat.StateDictType.FULL_STATE_DICT
 SHARDED = fsdp_compat.StateDictType.SHARDED_STATE_DICT
@@ -134,6 +134,7 @@ def check_settings(wrapper_class) -> dict:
     return seen
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_state_dict_settings_match_fsdp1():
     ours, theirs = check_settings(FSDP), check_settings(diff.TorchFSDP)
@@ -155,6 +156,7 @@ def test_state_dict_settings_match_fsdp1():
 FLAT_VARIANTS = list(itertools.product(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], [True, False], [True, False]))
 
 
+@needs_fsdp1
 @pytest.mark.parametrize("strategy,auto_wrap,use_orig_params", FLAT_VARIANTS)
 @distributed_test(world_size=2)
 def test_full_state_dict_matches_fsdp1(strategy, auto_wrap, use_orig_params):
@@ -171,6 +173,7 @@ def test_full_state_dict_matches_fsdp1(strategy, auto_wrap, use_orig_params):
     assert torch.equal(ours_sd["head.weight"], ours_sd["tok_emb.weight"])
 
 
+@needs_fsdp1
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
 @distributed_test(world_size=4)
 def test_full_state_dict_matches_fsdp1_world_4(strategy):
@@ -182,6 +185,7 @@ def test_full_state_dict_matches_fsdp1_world_4(strategy):
     assert list(ours_sd) == list(theirs_sd)
 
 
+@needs_fsdp1
 @pytest.mark.parametrize("use_orig_params", [True, False])
 @distributed_test(world_size=2)
 def test_full_rank0_only_and_ignored_modules_match_fsdp1(use_orig_params):
@@ -228,6 +232,7 @@ def test_full_offload_to_cpu_and_cpu_offload_params():
                 assert diff.relative_error(value, reference[key]) <= 1e-5, key
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_full_state_dict_mixed_precision_keeps_original_dtypes():
     """Parameters in full precision (the sharded masters), buffers in their original dtype,
@@ -262,6 +267,7 @@ def test_state_dict_values_are_copies():
 # ---------------------------------------------------------------------------------------------
 
 
+@needs_fsdp1
 @pytest.mark.parametrize("strategy,auto_wrap,use_orig_params", FLAT_VARIANTS)
 @distributed_test(world_size=2)
 def test_sharded_state_dict_matches_fsdp1(strategy, auto_wrap, use_orig_params):
@@ -284,6 +290,7 @@ def test_sharded_state_dict_matches_fsdp1(strategy, auto_wrap, use_orig_params):
             assert value.to_local().numel() == 0, key
 
 
+@needs_fsdp1
 @distributed_test(world_size=4)
 def test_sharded_state_dict_world_4_hybrid():
     ours, theirs = build(FSDP, "HYBRID_SHARD"), build(diff.TorchFSDP, "HYBRID_SHARD")
@@ -302,6 +309,7 @@ def test_sharded_state_dict_world_4_hybrid():
             assert diff.relative_error(after[key], expected[key]) <= 1e-5, key
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_activation_checkpoint_wrappers_leave_keys_clean():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -376,6 +384,7 @@ def summoned_state_dicts(wrapper_class):
     return full, sharded
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_state_dict_inside_summon_full_params_matches_fsdp1():
     ours, theirs = summoned_state_dicts(FSDP), summoned_state_dicts(diff.TorchFSDP)
@@ -401,6 +410,7 @@ def state_dict_during_forward(wrapper_class) -> str:
     return seen["error"]
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_state_dict_during_forward_raises_as_fsdp1():
     assert state_dict_during_forward(FSDP) == state_dict_during_forward(diff.TorchFSDP) == "AssertionError"
@@ -408,6 +418,7 @@ def test_state_dict_during_forward_raises_as_fsdp1():
     diff.train(model, torch.optim.SGD(model.parameters(), lr=0.05), 1)
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_non_root_prefix_and_nested_in_plain_module():
     # (FSDP1 cannot be used as a root after a non-root state_dict(): a fresh model each time.)

@@ -20,7 +20,7 @@ from fsdp_compat.testing import distributed_test
 from tests import differential as diff
 from tests.test_state_dict import FULL, LOCAL, SHARDED, build, plain_reference, state_dict_of
 
-pytestmark = pytest.mark.skipif(not diff.HAVE_FSDP1, reason="differential tests need torch FSDP1")
+needs_fsdp1 = pytest.mark.skipif(not diff.HAVE_FSDP1, reason="runs torch FSDP1 side by side")
 
 STEPS_MORE = 4
 
@@ -94,6 +94,7 @@ def test_bad_input_on_one_rank_world_4():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@needs_fsdp1
 @pytest.mark.parametrize("fault", ["missing_key", "unexpected_key", "wrong_shape", "not_a_tensor"])
 @distributed_test(world_size=2)
 def test_bad_input_error_type_matches_fsdp1(fault):
@@ -116,6 +117,7 @@ def strict_false_result(wrapper_class) -> tuple[_IncompatibleKeys, dict]:
     return result, state_dict_of(model, FULL)
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_strict_false_reports_keys_as_fsdp1():
     (ours_keys, ours_sd), (theirs_keys, theirs_sd) = strict_false_result(FSDP), strict_false_result(diff.TorchFSDP)
@@ -143,6 +145,7 @@ def test_full_state_dict_loads_into_the_unwrapped_module_and_back():
         assert torch.equal(after[key], full[key]), key
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_load_accepts_sharded_tensor_and_dtensor_whatever_the_type():
     """FSDP1's SHARDED values (ShardedTensor by default, DTensor with a device mesh) and ours
@@ -167,6 +170,7 @@ def test_load_accepts_sharded_tensor_and_dtensor_whatever_the_type():
                 assert diff.relative_error(after[key], expected[key]) <= 1e-5, (state_dict_type, key)
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_load_after_no_grad_forward_is_used_by_the_next_forward():
     """A no-grad forward leaves the root's (low-precision) parameters unsharded; a load then
@@ -190,6 +194,7 @@ def test_load_after_no_grad_forward_is_used_by_the_next_forward():
         assert torch.equal(after[key], value), key
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_load_inside_summon_full_params_is_written_back_as_fsdp1():
     results = []
@@ -233,6 +238,7 @@ def nested_load(wrapper_class) -> tuple[_IncompatibleKeys, dict]:
     return result, loaded
 
 
+@needs_fsdp1
 @distributed_test(world_size=2)
 def test_load_through_a_plain_module_holding_the_root():
     """``DDP(FSDP(model))``-style nesting: the plain module's load_state_dict reaches the wrapper
