@@ -29,6 +29,7 @@ from ._init_utils import (
     resolve_ignored_states,
 )
 from ._mesh import build_mesh, resolve_device
+from ._torch_fsdp1 import check_no_torch_fsdp1_inside
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -98,6 +99,7 @@ class FullyShardedDataParallel(nn.Module):
         torch._C._log_api_usage_once("fsdp_compat.FullyShardedDataParallel")
         super().__init__()
         check_module(module)
+        check_no_torch_fsdp1_inside(module)
         if process_group is not None and device_mesh is not None:
             raise ValueError(
                 "Cannot pass both process_group and device_mesh at the same time. "
