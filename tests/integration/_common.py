@@ -1,8 +1,9 @@
 """Shared pieces of the integration tests: the switch around a flow, and comparisons.
 
-Every flow runs twice on the same seeds, once under ``fsdp_compat.torch_patched()`` (the public
-switch: torch's FSDP1 names resolve to fsdp_compat's class) and once with torch's own FSDP1, and the
-results are compared. Bodies run on the rank pool (``fsdp_compat.testing``), 2 ranks on gloo.
+Each flow runs under ``fsdp_compat.torch_patched()`` (the public switch: torch's FSDP1 names resolve
+to fsdp_compat's class) on the rank pool (``fsdp_compat.testing``), 2 ranks on gloo. torch's own FSDP1
+cannot run these flows on a CPU-only machine (each test module says why), so the oracles are the
+unsharded model and the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import torch.distributed as dist
 
 import fsdp_compat
 
-from ..differential import HAVE_FSDP1
-
 
 def run_flow(flow: Callable[..., Any], *args: Any, ours: bool, **kwargs: Any) -> Any:
     """Run ``flow`` with fsdp_compat switched in (``ours``) or with torch's FSDP1; seeds fixed."""
@@ -27,13 +26,6 @@ def run_flow(flow: Callable[..., Any], *args: Any, ours: bool, **kwargs: Any) ->
     switch = fsdp_compat.torch_patched() if ours else contextlib.nullcontext()
     with switch:
         return flow(*args, **kwargs)
-
-
-def run_both(flow: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """(ours, torch FSDP1's) results of the same flow; torch's is None when FSDP1 is unavailable."""
-    mine = run_flow(flow, *args, ours=True, **kwargs)
-    theirs = run_flow(flow, *args, ours=False, **kwargs) if HAVE_FSDP1 else None
-    return mine, theirs
 
 
 def assert_close(ours: Any, reference: Any, atol: float = 1e-6, rtol: float = 1e-5) -> None:

@@ -5,8 +5,10 @@ for what it rebinds). accelerate looks the class up at ``prepare`` time
 
 CPU shim: accelerate only selects FSDP for GPU-like distributed types, so after building the
 ``Accelerator`` the tests set ``state.distributed_type = DistributedType.FSDP`` and
-``state.fsdp_plugin``. accelerate passes ``device_id=torch.device("cpu")``, with which torch's FSDP1
-runs on CPU: every flow is compared with torch's FSDP1 running it.
+``state.fsdp_plugin``. torch's FSDP1 cannot run this flow on CPU (accelerate passes
+``device_id=torch.device("cpu")``, which FSDP1 refuses as "Inconsistent compute device and
+`device_id`: cpu vs cpu:0"), so training is compared with the unsharded model on both ranks' batches
+and resumed runs with the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp_compat.testing import distributed_test
 
-from ._common import assert_close, run_both, run_flow, shared_tmpdir
+from ._common import assert_close, run_flow, shared_tmpdir
 
 STEPS, ACCUMULATE = 4, 2
 
@@ -36,9 +38,26 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+def _batches(n: int, rank: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1 + (torch.distributed.get_rank() if rank is None else rank))
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def _reference(n: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsharded model on both ranks' batches: this rank's losses and the final state."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mine, other = _batches(n), _batches(n, 1 - torch.distributed.get_rank())
+    losses = []
+    for i, ((x, y), (x2, y2)) in enumerate(zip(mine, other)):
+        with torch.no_grad():
+            losses.append(nn.functional.mse_loss(model(x), y).item())
+        (nn.functional.mse_loss(model(torch.cat([x, x2])), torch.cat([y, y2])) / ACCUMULATE).backward()
+        if (i + 1) % ACCUMULATE == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, model.state_dict()
 
 
 def _accelerator(state_dict_type: str = "FULL_STATE_DICT") -> Accelerator:
@@ -92,15 +111,12 @@ NEEDS_PARAMETER_IDENTITY = pytest.mark.xfail(
 @pytest.mark.parametrize("joint", [pytest.param(True, marks=NEEDS_PARAMETER_IDENTITY), False],
                          ids=["prepare(model,optimizer)", "prepare(model)+prepare(optimizer)"])
 @distributed_test(world_size=2)
-def test_accelerate_trains_like_torch_fsdp1(joint):
-    (losses, state), theirs = run_both(_train_flow, joint)
-    if torch.distributed.get_rank() == 0:
-        initial = _model().state_dict()
-        assert list(state) == list(initial)
-        assert any(not torch.equal(state[k], initial[k]) for k in initial), "the model did not train"
-    if theirs is not None:
-        assert_close(losses, theirs[0])
-        assert_close(state, theirs[1])
+def test_accelerate_trains_like_the_unsharded_model(joint):
+    losses, state = run_flow(_train_flow, joint, ours=True)
+    expected_losses, expected_state = _reference(STEPS * ACCUMULATE)
+    assert_close(losses, expected_losses, atol=1e-5)
+    if torch.distributed.get_rank() == 0:  # get_state_dict gathers to rank 0
+        assert_close(state, expected_state, atol=1e-5)
 
 
 def _resume_flow(state_dict_type: str, directory: str):
@@ -123,7 +139,15 @@ def _resume_flow(state_dict_type: str, directory: str):
     return uninterrupted, first + second, expected, accelerator.get_state_dict(model)
 
 
-@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+# Found by this test: after save_state/load_state, rank 1's AdamW state (exp_avg, exp_avg_sq) differs
+# from what it was at save time (rank 0's is exact; same values for FULL and SHARDED), so the resumed
+# run drifts from the second optimizer step on.
+OPTIMIZER_RELOAD_BUG = pytest.mark.xfail(
+    strict=True, reason="fsdp_compat bug found by this test: rank 1 optimizer state after accelerate load_state")
+
+
+@pytest.mark.parametrize("state_dict_type", [pytest.param("FULL_STATE_DICT", marks=OPTIMIZER_RELOAD_BUG),
+                                             pytest.param("SHARDED_STATE_DICT", marks=OPTIMIZER_RELOAD_BUG)])
 @distributed_test(world_size=2)
 def test_accelerate_save_load_state_resumes_like_uninterrupted(state_dict_type):
     with shared_tmpdir() as directory:

@@ -61,7 +61,9 @@ class Regressor(pl.LightningModule):
 
 def _data() -> DataLoader:
     g = torch.Generator().manual_seed(1)
-    n = 2 * BATCH * ACCUMULATE * MAX_STEPS  # both ranks' share of one epoch
+    # Two epochs of MAX_STEPS // 2 optimizer steps: checkpoints at the epoch boundary, where a plain
+    # DataLoader resumes exactly (mid-epoch, Lightning restarts the epoch's data).
+    n = 2 * BATCH * ACCUMULATE * (MAX_STEPS // 2)
     return DataLoader(TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)),
                       batch_size=BATCH)
 
@@ -70,13 +72,13 @@ def _trainer(directory: str, state_dict_type: str, **kwargs) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu", devices=2,
         strategy=CPUFSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type=state_dict_type),
-        max_steps=MAX_STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5,
+        max_steps=MAX_STEPS, accumulate_grad_batches=ACCUMULATE,
         default_root_dir=directory, logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, **kwargs)
 
 
 def _fit_and_resume(state_dict_type: str, directory: str):
-    checkpoints = ModelCheckpoint(dirpath=os.path.join(directory, "ckpt"), every_n_train_steps=2,
+    checkpoints = ModelCheckpoint(dirpath=os.path.join(directory, "ckpt"), every_n_epochs=1,
                                   save_top_k=-1, save_last=False)
     trainer = _trainer(directory, state_dict_type, callbacks=[checkpoints], limit_val_batches=0)
     model = Regressor()
@@ -108,9 +110,9 @@ def test_trainer_fit_resumes_from_checkpoint_like_uninterrupted(state_dict_type)
 
 
 def _evaluate(directory: str):
-    trainer = _trainer(directory, "full", enable_checkpointing=False, limit_val_batches=2)
+    trainer = _trainer(directory, "full", enable_checkpointing=False)
     model = Regressor()
-    trainer.fit(model, _data(), _data())
+    trainer.fit(model, _data(), _data())  # validation runs during fit too
     state = full_state(trainer.strategy.model)
     metrics = (trainer.validate(model, _data(), verbose=False), trainer.test(model, _data(), verbose=False))
     predictions = trainer.predict(model, _data())
