@@ -26,6 +26,7 @@ from torch.distributed.fsdp._fully_shard import (
 from torch.distributed._composable.replicate_with_fsdp import replicate
 
 # Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
+import contextlib
 import copy
 from collections.abc import Callable
 
@@ -277,3 +278,90 @@ def engine_module(module: nn.Module) -> nn.Module:
     while not isinstance(module, FSDPModule) and hasattr(module, "_checkpoint_wrapped_module"):
         module = module._checkpoint_wrapped_module
     return module
+
+
+# ==== torch.distributed.checkpoint.state_dict interop (issue 10, item 2) ====================
+#
+# torch's ``get_state_dict`` / ``set_state_dict`` family (``dsd`` below) recognises FSDP1 only by
+# its class: for FSDP1 it sets the modules' state-dict type from the call's ``StateDictOptions``
+# (through ``_StateDictInfo.fsdp_context``) and drops the ``_fsdp_wrapped_module.`` segments from
+# names (in ``_get_fqns``). Nothing public lets another module class take part (measured on torch
+# 2.13 and 2.15: the module hook ``_fqn_modifiers`` renames model entries only; optimizer entries
+# are named from ``model.named_parameters()`` through ``_get_fqns``, which keeps every segment).
+# So two private functions of that module are wrapped, once, at import:
+#
+# * ``_verify_options``: the ``fsdp_context`` it returns also publishes the call's options while
+#   torch runs the model's ``state_dict`` / ``load_state_dict`` (read with
+#   :func:`distributed_checkpoint_request`), so a wrapper answers as FSDP1 would;
+# * ``_get_fqns``: names through a wrapper lose the ``_fsdp_wrapped_module`` segment, as FSDP1's.
+#
+# ``tests/test_dcp_state_dict_api.py`` checks both are in place: a torch upgrade that moves them
+# fails there loudly (and :data:`DISTRIBUTED_CHECKPOINT_INTEROP` is ``False``).
+
+import contextvars
+import dataclasses
+import functools
+
+_WRAPPER_SEGMENT = "_fsdp_wrapped_module"
+_INTEROP_MARK = "_fsdp_compat_interop"
+_dcp_request: contextvars.ContextVar[Any | None] = contextvars.ContextVar("fsdp_compat_dcp_request",
+                                                                          default=None)
+
+
+def distributed_checkpoint_request() -> Any | None:
+    """The ``StateDictOptions`` of the ``torch.distributed.checkpoint.state_dict`` call that is
+    running the model's ``state_dict`` / ``load_state_dict`` now, or ``None``."""
+    return _dcp_request.get()
+
+
+@contextlib.contextmanager
+def _publishing(options: Any, inner: Callable[[], Any]) -> Iterator[None]:
+    with inner():
+        token = _dcp_request.set(options)
+        try:
+            yield
+        finally:
+            _dcp_request.reset(token)
+
+
+def _without_wrapper_segments(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part != _WRAPPER_SEGMENT)
+
+
+def _install_distributed_checkpoint_interop() -> bool:
+    """Wrap ``dsd._verify_options`` and ``dsd._get_fqns`` (idempotent). ``False`` when torch no
+    longer has what this relies on."""
+    try:
+        from torch.distributed.checkpoint import state_dict as dsd
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return False
+    verify_options = getattr(dsd, "_verify_options", None)
+    get_fqns = getattr(dsd, "_get_fqns", None)
+    info_class = getattr(dsd, "_StateDictInfo", None)
+    if (verify_options is None or get_fqns is None or info_class is None
+            or "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}):
+        return False
+    if getattr(verify_options, _INTEROP_MARK, False) and getattr(get_fqns, _INTEROP_MARK, False):
+        return True
+
+    @functools.wraps(verify_options)
+    def verify_options_publishing(*args: Any, **kwargs: Any) -> Any:
+        info = verify_options(*args, **kwargs)
+        info.fsdp_context = functools.partial(_publishing, info, info.fsdp_context)
+        return info
+
+    @functools.wraps(get_fqns)
+    def get_fqns_without_wrappers(model: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
+        fqns = get_fqns(model, name, *args, **kwargs)
+        if _WRAPPER_SEGMENT not in name:
+            return fqns
+        return {_without_wrapper_segments(fqn) for fqn in fqns}
+
+    setattr(verify_options_publishing, _INTEROP_MARK, True)
+    setattr(get_fqns_without_wrappers, _INTEROP_MARK, True)
+    dsd._verify_options = verify_options_publishing
+    dsd._get_fqns = get_fqns_without_wrappers
+    return True
+
+
+DISTRIBUTED_CHECKPOINT_INTEROP: bool = _install_distributed_checkpoint_interop()

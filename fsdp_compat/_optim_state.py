@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _engine, _state_dict
+from . import _engine, _orig_params, _state_dict
 from ._collectives import broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name, wrappers_in
 from ._mesh import flatten_to_1d
@@ -154,6 +154,8 @@ def _flat_positions(model: nn.Module, wrappers: list[nn.Module],
 def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = None,
                  named_keys: bool = False) -> _ParamIndex:
     """Index the optimizer's parameters; ``KeyError`` if one is not a parameter of ``model``."""
+    if isinstance(optim, torch.optim.Optimizer):
+        _orig_params.rebind_optimizer(optim)  # built before wrapping: now on the model's parameters
     fqn_of: dict[nn.Parameter, str] = {}
     raw_name_of: dict[nn.Parameter, str] = {}
     for name, param in model.named_parameters():  # deduplicated: a tied parameter's first name
@@ -503,6 +505,7 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_
     in favour of :func:`optim_state_dict`). With ``rank0_only`` other ranks get ``{}``."""
     _warn_legacy("full_optim_state_dict", "optim_state_dict")
     _warn_optim_input(optim_input)
+    _orig_params.rebind_optimizer(optim)
     return _export(model, optim, optim.state_dict(), sharded=False, rank0_only=rank0_only,
                    offload=True, group=group, optim_input=optim_input)
 
@@ -511,6 +514,7 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                              group: Any = None) -> dict[str, Any]:
     """This rank's shards of the optimizer state (DTensors on CPU) keyed by parameter names."""
     _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+    _orig_params.rebind_optimizer(optim)
     return _export(model, optim, optim.state_dict(), sharded=True, rank0_only=False,
                    offload=True, group=group)
 
@@ -600,6 +604,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     """
     settings = _state_dict.get_state_dict_type(model)
     config = settings.optim_state_dict_config
+    _orig_params.rebind_optimizer(optim)
     source = optim.state_dict() if optim_state_dict is None else optim_state_dict
     full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
     return _export(model, optim, source, sharded=not full,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import inspect
-import sys
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -137,26 +135,10 @@ def _distributed_checkpoint_options() -> Any | None:
     call that is asking this wrapper for its state, if that is why we run.
 
     torch gives FSDP1 modules SHARDED or FULL state dicts from those options by setting their
-    state-dict type first; it does not know our class (the check is ``isinstance`` on FSDP1's),
-    so we look for its caller frame and read the options it holds. If torch moves these
-    functions this finds nothing and the wrapper's own type is used, which is still correct.
+    state-dict type first; it does not know our class, so the adapter publishes the options
+    while torch runs the model's ``state_dict`` / ``load_state_dict`` (see ``_engine``).
     """
-    try:
-        from torch.distributed.checkpoint import state_dict as dsd
-    except ImportError:  # pragma: no cover - depends on the torch build
-        return None
-    callers = {inspect.unwrap(function).__code__
-               for function in (getattr(dsd, "_get_model_state_dict", None),
-                                getattr(dsd, "_load_model_state_dict", None)) if function is not None}
-    frame = sys._getframe(1)
-    for _ in range(16):  # a few calls up; more when the wrapper sits inside a plain module
-        if frame is None:
-            return None
-        if frame.f_code in callers:
-            options = frame.f_locals.get("info")
-            return options if hasattr(options, "full_state_dict") else None
-        frame = frame.f_back
-    return None
+    return _engine.distributed_checkpoint_request()
 
 
 def _entry_settings(entry: _Entry, requested: StateDictType,

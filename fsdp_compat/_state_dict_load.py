@@ -179,7 +179,9 @@ def _as_given_by_distributed_checkpoint(wrapper: FullyShardedDataParallel, state
     if options is None:
         return state_dict
     state_dict = _without_own_tensors(state_dict, entries)
-    if options.broadcast_from_rank0:
+    if options.broadcast_from_rank0 and not _engine.DISTRIBUTED_CHECKPOINT_INTEROP:
+        # With the adapter's interop torch names our tensors as FSDP1's, so it has broadcast
+        # (and distributed) rank 0's values into every rank's dict itself.
         state_dict = _broadcast_from_rank0(state_dict, wrapper.compute_device)
     return state_dict
 

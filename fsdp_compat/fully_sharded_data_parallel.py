@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _runtime, _state_dict
+from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _orig_params, _runtime, _state_dict
 from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, warn_once
 from ._init_utils import (
     MetaMaterializer,
@@ -100,6 +100,9 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         check_module(module)
         check_no_torch_fsdp1_inside(module)
+        # The parameter objects before wrapping: optimizers built on them are re-pointed at
+        # their replacements (meta materialisation, sharding) at their next step.
+        original_params = _orig_params.param_slots(module)
         if process_group is not None and device_mesh is not None:
             raise ValueError(
                 "Cannot pass both process_group and device_mesh at the same time. "
@@ -158,6 +161,7 @@ class FullyShardedDataParallel(nn.Module):
         else:
             self._apply_engine(module)
         _mixed_precision.init_unit(self)
+        _orig_params.remember_replacements(original_params)
 
     def _apply_engine(self, module: nn.Module) -> None:
         _engine.apply_engine(

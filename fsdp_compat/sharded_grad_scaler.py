@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import _orig_params
+
 __all__ = ["ShardedGradScaler"]
 
 
@@ -92,6 +94,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         class's inf check). The returned per-device flags all hold the verdict of every rank.
         ``allow_fp16`` is ignored: FSDP gradients may legitimately be fp16.
         """
+        _orig_params.rebind_optimizer(optimizer)  # unscaling precedes the step's own re-pointing
         per_device_found_inf: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for (device, _dtype), grads in _local_grads_by_device_and_dtype(optimizer).items():

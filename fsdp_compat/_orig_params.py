@@ -1,0 +1,102 @@
+"""Optimizers built before wrapping keep training the wrapped model.
+
+FSDP1 with ``use_orig_params=True`` keeps every ``nn.Parameter`` object, so an optimizer built on
+the unwrapped model (Lightning Fabric's ``setup(model, optimizer)``, accelerate's
+``prepare(model, optimizer)``, hand-written code) keeps training it. The engine gives each unit
+new ``DTensor`` parameters, and the original object cannot become one: ``DTensor`` has
+``__slots__`` (``_local_tensor``, ``_spec``), so ``torch.utils.swap_tensors`` and ``__class__``
+assignment both refuse ("object layout differs"; torch 2.13 and 2.15). What the optimizer holds is
+therefore re-pointed instead: each wrapper records which parameter replaced which, and before any
+optimizer steps (a global ``torch.optim`` step pre-hook, public API) or has its state exported,
+its ``param_groups`` get the parameters the model holds now, with any state it already had moved
+to their layout. From the first step on it is the optimizer one would have built after wrapping,
+for both values of ``use_orig_params``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._tensor_layout import shard_like
+
+# Weak on the parameter: holding every original until the root is built would keep each unit's
+# full tensors alive after the engine sharded them; one nobody holds needs no re-pointing.
+ParamSlots = list[tuple[nn.Module, str, "weakref.ref[nn.Parameter]"]]
+
+# original parameter -> the parameter that replaced it (weak on the original: once no optimizer
+# or user code holds it, the entry goes).
+_replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_generation = 0  # bumped on every new replacement, so checked optimizers are checked again
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_hook_handle: Any = None
+
+
+def param_slots(module: nn.Module) -> ParamSlots:
+    """Every ``(module, attribute, parameter)`` in ``module``'s tree (a tied weight once per slot)."""
+    return [(owner, name, weakref.ref(param)) for owner in module.modules()
+            for name, param in owner._parameters.items() if param is not None]
+
+
+def remember_replacements(before: ParamSlots) -> None:
+    """Record, for each slot of ``before``, the parameter the module holds there now."""
+    global _generation, _hook_handle
+    for owner, name, reference in before:
+        original = reference()
+        current = owner._parameters.get(name)
+        if original is None or current is None or current is original or original in _replaced:
+            continue
+        _replaced[original] = current
+        _generation += 1
+    if _generation and _hook_handle is None:
+        _hook_handle = register_optimizer_step_pre_hook(_rebind_before_step)
+
+
+def current_param(param: nn.Parameter) -> nn.Parameter:
+    """The parameter a wrapped model holds in place of ``param`` (``param`` itself if none)."""
+    while param in _replaced:
+        param = _replaced[param]
+    return param
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Point ``optimizer`` at the parameters the wrapped models hold now (no-op when it does)."""
+    if not _generation or _checked.get(optimizer) == _generation:
+        return
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for index, param in enumerate(params):
+            current = current_param(param)
+            if current is param:
+                continue
+            params[index] = current
+            if param in optimizer.state:
+                optimizer.state[current] = _moved_state(optimizer.state.pop(param), param, current)
+    _checked[optimizer] = _generation
+
+
+def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    for optimizer in optimizers:
+        rebind_optimizer(optimizer)
+
+
+def _rebind_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    rebind_optimizer(optimizer)
+
+
+def _moved_state(state: dict[str, Any], old: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
+    """State of ``old`` (an optimizer that already stepped before wrapping) in ``new``'s layout:
+    per-element tensors are cut to this rank's shard (no communication), the rest kept."""
+    if not isinstance(new, DTensor):
+        return state
+    return {key: shard_like(value.to(new.dtype) if value.is_floating_point() else value, new)
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+            and value.shape == new.shape and value.dim() > 0 else value
+            for key, value in state.items()}

@@ -1,0 +1,258 @@
+"""torch's own ``torch.distributed.checkpoint.state_dict`` API on our wrapper gives FSDP1's result.
+
+``get_state_dict`` / ``get_model_state_dict`` / ``get_optimizer_state_dict`` / ``set_state_dict`` are
+what accelerate's FSDP2 path, torchtune and most new checkpoint code call. For torch FSDP1 they give
+clean keys (``blocks.0.attn.qkv.weight``) for the model and the optimizer, SHARDED values by default
+and FULL ones with ``full_state_dict=True``. The oracle is torch FSDP1 on the same model and
+training; without FSDP1, the unwrapped model's names.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from fsdp_compat import FullyShardedDataParallel as FSDP
+from fsdp_compat.testing import run_on_ranks
+from tests import differential as diff
+from tests.test_state_dict_checkpoint import TINY, make, train
+
+needs_fsdp1 = pytest.mark.skipif(not diff.HAVE_FSDP1, reason="needs torch FSDP1")
+OPTIONS = {
+    "default": StateDictOptions(),
+    "full": StateDictOptions(full_state_dict=True),
+    "full_cpu_offload": StateDictOptions(full_state_dict=True, cpu_offload=True),
+}
+STEPS_BEFORE, STEPS_AFTER = 2, 2
+
+
+def trained(wrapper_class, seed: int = 0, steps: int = STEPS_BEFORE):
+    model = make(wrapper_class, seed=seed, use_orig_params=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, steps, 0)
+    return model, optimizer
+
+
+def comparable(value):
+    """A state value as a full CPU tensor (DTensors gathered), anything else as is."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def unwrapped_names() -> tuple[list[str], list[str]]:
+    model = diff.make_model(0, TINY)
+    return list(model.state_dict()), [name for name, _ in model.named_parameters()]
+
+
+def state_dicts(wrapper_class, options_name: str) -> tuple[dict, dict]:
+    model, optimizer = trained(wrapper_class)
+    return get_state_dict(model, optimizer, options=OPTIONS[options_name])
+
+
+def keys_are_the_unwrapped_models(options_name: str) -> None:
+    model_state, optim_state = state_dicts(FSDP, options_name)
+    if options_name == "full_cpu_offload" and dist.get_rank() != 0:
+        assert model_state == {} and not optim_state.get("state")  # rank 0 only, as for FSDP1
+        return
+    model_keys, param_names = unwrapped_names()
+    assert list(model_state) == model_keys
+    assert set(optim_state["state"]) == set(param_names)
+    assert sorted(p for g in optim_state["param_groups"] for p in g["params"]) == sorted(param_names)
+    sharded = options_name == "default"
+    assert isinstance(model_state["tok_emb.weight"], DTensor) == sharded
+    assert isinstance(optim_state["state"]["tok_emb.weight"]["exp_avg"], DTensor) == sharded
+
+
+@pytest.mark.parametrize("options_name", sorted(OPTIONS))
+def test_model_and_optimizer_keys_are_clean_fqns(options_name):
+    run_on_ranks(keys_are_the_unwrapped_models, 2, options_name)
+
+
+def equal_to_fsdp1(options_name: str) -> None:
+    our_model, our_optim = state_dicts(FSDP, options_name)
+    fsdp1_model, fsdp1_optim = state_dicts(diff.TorchFSDP, options_name)
+    assert list(our_model) == list(fsdp1_model)
+    assert our_optim["param_groups"] == fsdp1_optim["param_groups"]
+    assert our_optim["state"].keys() == fsdp1_optim["state"].keys()
+    for name, state in fsdp1_optim["state"].items():
+        assert state.keys() == our_optim["state"][name].keys(), name
+    if options_name == "default":
+        # FSDP1 gives ShardedTensors here, we give DTensors (README); the values are compared
+        # through checkpoints crossing engines below.
+        return
+    for key, value in fsdp1_model.items():
+        assert type(our_model[key]) is type(value), key
+        assert diff.relative_error(our_model[key].cpu(), value.cpu()) <= 1e-6, key
+    for name, state in fsdp1_optim["state"].items():
+        for key, value in state.items():
+            ours = our_optim["state"][name][key]
+            assert type(ours) is type(value), (name, key)
+            if isinstance(value, torch.Tensor):
+                assert diff.relative_error(ours.cpu().float(), value.cpu().float()) <= 1e-5, (name, key)
+
+
+@needs_fsdp1
+@pytest.mark.parametrize("options_name", ["default", "full"])  # FSDP1 crashes with cpu_offload on CPU
+def test_state_dicts_equal_fsdp1s(options_name):
+    run_on_ranks(equal_to_fsdp1, 2, options_name)
+
+
+def offloaded_equals_full() -> None:
+    model, optimizer = trained(FSDP)
+    full = get_state_dict(model, optimizer, options=OPTIONS["full"])
+    offloaded = get_state_dict(model, optimizer, options=OPTIONS["full_cpu_offload"])
+    if dist.get_rank() != 0:
+        return
+    for ours, expected in zip(offloaded, full):
+        flat_ours, flat_expected = dict(_flatten(ours)), dict(_flatten(expected))
+        assert flat_ours.keys() == flat_expected.keys()
+        for key, value in flat_expected.items():
+            if isinstance(value, torch.Tensor):
+                assert flat_ours[key].device.type == "cpu" and torch.equal(flat_ours[key], value.cpu()), key
+            else:
+                assert flat_ours[key] == value, key
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    elif isinstance(tree, list):
+        for index, value in enumerate(tree):
+            yield from _flatten(value, f"{prefix}{index}.")
+    else:
+        yield prefix, tree
+
+
+def test_cpu_offload_gives_the_full_state_on_rank_0():
+    run_on_ranks(offloaded_equals_full, 2)
+
+
+def engine(name: str):
+    return diff.TorchFSDP if name == "fsdp1" else FSDP
+
+
+def write(path: str, writer_name: str) -> list[float]:
+    """Train, save model and optimizer through ``get_state_dict`` + DCP, train on."""
+    model, optimizer = trained(engine(writer_name))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    return train(model, optimizer, STEPS_AFTER, STEPS_BEFORE)
+
+
+def read_and_resume(path: str, reader_name: str, expected_losses: list[float]) -> None:
+    model = make(engine(reader_name), seed=1, use_orig_params=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, 1, 0)  # some optimizer state to overwrite
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = train(model, optimizer, STEPS_AFTER, STEPS_BEFORE)
+    diff.assert_close_lists(losses, expected_losses, rtol=1e-5, what=f"resumed by {reader_name}")
+
+
+@needs_fsdp1
+@pytest.mark.parametrize("writer_name, reader_name", [("fsdp1", "ours"), ("ours", "fsdp1")])
+def test_checkpoint_through_the_api_crosses_engines(tmp_path, writer_name, reader_name):
+    path = str(tmp_path / "ckpt")
+    losses = run_on_ranks(write, 2, path, writer_name)[0]
+    run_on_ranks(read_and_resume, 2, path, reader_name, losses)
+
+
+@needs_fsdp1
+@pytest.mark.parametrize("writer_name, reader_name", [("fsdp1", "ours"), ("ours", "fsdp1"), ("ours", "ours")])
+def test_checkpoint_through_the_api_crosses_world_sizes_4_to_2(tmp_path, writer_name, reader_name):
+    path = str(tmp_path / "ckpt")
+    losses = run_on_ranks(write, 4, path, writer_name)[0]
+    run_on_ranks(read_and_resume, 2, path, reader_name, losses)
+
+
+def optimizer_only_and_model_only_calls() -> None:
+    model, optimizer = trained(FSDP)
+    model_keys, param_names = unwrapped_names()
+    assert list(get_model_state_dict(model)) == model_keys
+    assert set(get_optimizer_state_dict(model, optimizer)["state"]) == set(param_names)
+
+
+def test_model_only_and_optimizer_only_calls_use_clean_fqns():
+    run_on_ranks(optimizer_only_and_model_only_calls, 2)
+
+
+def test_torch_still_has_what_the_interop_relies_on():
+    """torch recognises FSDP1 by class only; the adapter wraps two private functions of
+    ``torch.distributed.checkpoint.state_dict`` to give our wrapper the same treatment. If a torch
+    upgrade moves them, this fails (and so do the tests above)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    from fsdp_compat import _engine
+
+    assert _engine.DISTRIBUTED_CHECKPOINT_INTEROP, (
+        "torch.distributed.checkpoint.state_dict no longer has _verify_options / _get_fqns / "
+        "_StateDictInfo.fsdp_context; update the interop section of fsdp_compat/_engine.py")
+    assert getattr(dsd._verify_options, "_fsdp_compat_interop", False)
+    assert getattr(dsd._get_fqns, "_fsdp_compat_interop", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Callers that recognise FSDP2 by DTensor parameters (Lightning's ``_load_raw_module_state``)
+# ---------------------------------------------------------------------------------------------
+
+
+def load_like_lightning_dtensor_branch(module, state_dict, clean_names: bool) -> None:
+    """Lightning 2.6's ``_load_raw_module_state`` for a module with DTensor parameters: names from
+    ``named_modules()`` + each module's own parameters and buffers, one
+    ``set_model_state_dict(submodule, ...)`` per tensor (``strict=True``)."""
+    import itertools
+
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=False)
+    for submodule_name, submodule in module.named_modules():
+        if clean_names:
+            submodule_name = ".".join(s for s in submodule_name.split(".") if s != "_fsdp_wrapped_module")
+        for name, _ in itertools.chain(submodule.named_buffers(recurse=False),
+                                       submodule.named_parameters(recurse=False)):
+            if name in submodule._non_persistent_buffers_set:
+                continue
+            full_name = f"{submodule_name}{'.' if submodule_name else ''}{name}"
+            if full_name not in state_dict:
+                raise KeyError(f"The model contains a key '{full_name}' that does not exist in the "
+                               "loaded checkpoint.")
+            set_model_state_dict(submodule, {name: state_dict[full_name]}, options=options)
+
+
+def full_checkpoint_through_dtensor_branch(clean_names: bool) -> None:
+    from tests.test_state_dict_checkpoint import full_state
+
+    writer, _ = trained(FSDP)
+    checkpoint = full_state(writer)  # FSDP1's FULL state dict: clean keys
+    reader = make(FSDP, seed=1, use_orig_params=True)
+    load_like_lightning_dtensor_branch(reader, checkpoint, clean_names)
+    after = full_state(reader)
+    for key, value in checkpoint.items():
+        assert torch.equal(after[key], value), key
+
+
+def test_lightning_style_full_load_works_once_names_are_clean():
+    """Everything below the naming works: per-tensor ``set_model_state_dict`` on our units."""
+    run_on_ranks(full_checkpoint_through_dtensor_branch, 2, True)
+
+
+@pytest.mark.xfail(strict=True, raises=Exception, reason=(
+    "named_modules() keeps FSDP1's '_fsdp_wrapped_module.' level (FSDP1 contract, golden "
+    "wrapper_names.json), so a caller that takes the FSDP2 branch on seeing DTensor parameters and "
+    "names tensors from named_modules() finds no clean key; see the issue 10 report"))
+def test_lightning_style_full_load_through_the_dtensor_branch():
+    run_on_ranks(full_checkpoint_through_dtensor_branch, 2, False)
