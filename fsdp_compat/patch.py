@@ -61,6 +61,8 @@ def patch_torch() -> None:
             _rebound.append((torch.distributed.fsdp, "FullyShardedDataParallel"))
             torch.distributed.fsdp.FullyShardedDataParallel = FullyShardedDataParallel
             return
+        # Installed once and left in place, inactive while the switch is off: CPython cannot
+        # delete a class's __new__ cleanly (object.__new__ then rejects the constructor's arguments).
         TORCH_FSDP1_CLASS.__new__ = staticmethod(_refuse_our_units_inside)  # type: ignore[method-assign]
     if TORCH_FSDP1_CLASS is None:
         return
@@ -82,8 +84,6 @@ def unpatch_torch() -> None:
         else:
             setattr(owner, name, TORCH_FSDP1_CLASS)
     _rebound = None
-    if TORCH_FSDP1_CLASS is not None:
-        del TORCH_FSDP1_CLASS.__new__
 
 
 @contextlib.contextmanager
@@ -102,7 +102,7 @@ def torch_patched() -> Generator[None, None, None]:
 def _refuse_our_units_inside(cls: type, *args: Any, **kwargs: Any) -> Any:
     """``__new__`` of torch's FSDP1 class while patched: refuses before torch's ``__init__`` runs."""
     module = args[0] if args else kwargs.get("module")
-    if isinstance(module, nn.Module):
+    if is_torch_patched() and isinstance(module, nn.Module):
         inside = [name or "<the module itself>" for name, m in module.named_modules()
                   if isinstance(m, FullyShardedDataParallel)]
         if inside:
