@@ -104,11 +104,8 @@ def _train_flow(joint: bool):
     return losses, {k: v.clone() for k, v in state.items()}
 
 
-NEEDS_PARAMETER_IDENTITY = pytest.mark.xfail(
-    strict=True, reason="needs issue 10 item 1: parameter identity across wrapping (i10core)")
-
-
-@pytest.mark.parametrize("joint", [pytest.param(True, marks=NEEDS_PARAMETER_IDENTITY), False],
+# prepare(model, optimizer) gets an optimizer built on the unwrapped model.
+@pytest.mark.parametrize("joint", [True, False],
                          ids=["prepare(model,optimizer)", "prepare(model)+prepare(optimizer)"])
 @distributed_test(world_size=2)
 def test_accelerate_trains_like_the_unsharded_model(joint):

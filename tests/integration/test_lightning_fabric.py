@@ -103,13 +103,8 @@ def _train_flow(joint: bool):
     return losses, full_state(model._forward_module)
 
 
-# Fabric's setup(model, optimizer) builds the optimizer on the unwrapped model: it trains only when
-# wrapping keeps every nn.Parameter object (issue 10 item 1, branch i10core).
-NEEDS_PARAMETER_IDENTITY = pytest.mark.xfail(
-    strict=True, reason="needs issue 10 item 1: parameter identity across wrapping (i10core)")
-
-
-@pytest.mark.parametrize("joint", [pytest.param(True, marks=NEEDS_PARAMETER_IDENTITY), False],
+# setup(model, optimizer) gets an optimizer built on the unwrapped model.
+@pytest.mark.parametrize("joint", [True, False],
                          ids=["setup", "setup_module+setup_optimizers"])
 @distributed_test(world_size=2)
 def test_fabric_trains_like_the_unsharded_model(joint):

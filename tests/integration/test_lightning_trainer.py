@@ -98,7 +98,15 @@ NEEDS_CLEAN_NAMES = pytest.mark.xfail(
     strict=True, reason="needs issue 10 item 2b: DTensor-detecting callers (i10core)")
 
 
-@pytest.mark.parametrize("state_dict_type", [pytest.param("full", marks=NEEDS_CLEAN_NAMES), "sharded"])
+# Found by this test: resuming from the SHARDED checkpoint does not continue the uninterrupted run
+# (all parameters differ by ~1e-2 at the end); not yet diagnosed, possibly the same optimizer-state
+# reload problem test_accelerate.py shows (Fabric's SHARDED resume is exact).
+SHARDED_RESUME_BUG = pytest.mark.xfail(
+    strict=True, reason="fsdp_compat bug found by this test: Trainer SHARDED resume differs from uninterrupted")
+
+
+@pytest.mark.parametrize("state_dict_type", [pytest.param("full", marks=NEEDS_CLEAN_NAMES),
+                                             pytest.param("sharded", marks=SHARDED_RESUME_BUG)])
 @distributed_test(world_size=2)
 def test_trainer_fit_resumes_from_checkpoint_like_uninterrupted(state_dict_type):
     with shared_tmpdir() as directory:
