@@ -3,6 +3,11 @@
 Change one import and keep the rest of an FSDP1 program::
 
     from fsdp_compat import FullyShardedDataParallel as FSDP
+
+or, for frameworks that build torch's FSDP1 class themselves (Lightning, accelerate, transformers),
+switch torch's names to this class before they run::
+
+    import fsdp_compat; fsdp_compat.patch_torch()     # or: python -m fsdp_compat.run script.py
 """
 
 from . import wrap
@@ -24,6 +29,7 @@ from .api import (
     StateDictType,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .patch import is_torch_patched, patch_torch, torch_patched, unpatch_torch
 
 __version__ = "0.1.0"
 
@@ -45,5 +51,9 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "__version__",
+    "is_torch_patched",
+    "patch_torch",
+    "torch_patched",
+    "unpatch_torch",
     "wrap",
 ]

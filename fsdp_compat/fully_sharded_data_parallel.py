@@ -31,6 +31,7 @@ from ._init_utils import (
     resolve_ignored_states,
 )
 from ._mesh import build_mesh, resolve_device
+from ._torch_fsdp1 import check_no_torch_fsdp1_inside
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -100,6 +101,7 @@ class FullyShardedDataParallel(nn.Module):
         _engine.log_api_usage("fsdp_compat.FullyShardedDataParallel")
         super().__init__()
         check_module(module)
+        check_no_torch_fsdp1_inside(module)
         # The parameter objects before wrapping: optimizers built on them are re-pointed at
         # their replacements (meta materialisation, sharding) at their next step.
         original_params = _orig_params.param_slots(module)

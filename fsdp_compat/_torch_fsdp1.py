@@ -1,0 +1,38 @@
+"""Recognising torch's own FSDP1 class — never calling it.
+
+:func:`fsdp_compat.patch_torch` rebinds torch's public names to our class, so "torch's class" is
+remembered here, once, when fsdp_compat is imported (before any patch can run).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+try:
+    from torch.distributed.fsdp import fully_sharded_data_parallel as _fsdp1_module
+except ImportError:  # a torch without FSDP1: nothing of torch's to recognise or to refuse
+    _fsdp1_module = None
+
+# The class as torch defines it (None when torch no longer ships FSDP1).
+TORCH_FSDP1_CLASS: type | None = getattr(_fsdp1_module, "FullyShardedDataParallel", None)
+
+
+def is_torch_fsdp1(obj: Any) -> bool:
+    """True for an instance of torch's FSDP1 class (whatever torch's names point to now)."""
+    return TORCH_FSDP1_CLASS is not None and isinstance(obj, TORCH_FSDP1_CLASS)
+
+
+def check_no_torch_fsdp1_inside(module: nn.Module) -> None:
+    """One model, one FSDP implementation: their units cannot gather, reduce or checkpoint together."""
+    if TORCH_FSDP1_CLASS is None:
+        return
+    inside = [name or "<the module itself>" for name, m in module.named_modules() if is_torch_fsdp1(m)]
+    if inside:
+        raise ValueError(
+            f"Cannot wrap a module that already contains torch's FSDP1 FullyShardedDataParallel "
+            f"(at {inside[:3]}) with fsdp_compat.FullyShardedDataParallel: the two implementations "
+            "cannot be mixed in one model. Build the model with one class only — call "
+            "fsdp_compat.patch_torch() before any wrapping so every framework builds fsdp_compat's class"
+        )

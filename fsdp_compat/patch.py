@@ -1,0 +1,179 @@
+"""The one-line switch: make torch's FSDP1 names resolve to ``fsdp_compat.FullyShardedDataParallel``.
+
+Lightning, accelerate and the transformers ``Trainer`` never let the user construct FSDP: they look
+torch's class up and build it themselves. :func:`patch_torch` rebinds the names they look up:
+
+* ``torch.distributed.fsdp.FullyShardedDataParallel``
+* ``torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel``
+* every other reference to torch's class already bound in an imported module's namespace or in a
+  class defined there (``from torch.distributed.fsdp import FullyShardedDataParallel as FSDP`` run
+  before the switch): torch's own ``torch.distributed.checkpoint.state_dict.FSDP``, a user's script.
+  References outside torch are rebound too and named in a warning (the switch came late: objects
+  built with torch's class before it stay torch's); references it cannot rebind (inside a tuple,
+  list, set or dict) are named in a warning.
+
+So every ``isinstance(m, FullyShardedDataParallel)`` and every construction in those frameworks sees
+our class. ``torch.distributed.fsdp.wrap`` needs no patch: its ``enable_wrap``/``wrap`` build whatever
+``wrapper_cls`` they are given (ours, once the framework looks the name up), and its policies are
+translated by our class. While the switch is on, constructing torch's own class around a module
+holding our units raises ``ValueError`` (ours always refuses torch's units inside): the two cannot be
+mixed in one model. No FSDP1 code is ever run by this module; it only rebinds names and refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Generator
+from typing import Any
+
+import torch.distributed.fsdp
+import torch.nn as nn
+
+from ._torch_fsdp1 import TORCH_FSDP1_CLASS
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = ["is_torch_patched", "patch_torch", "torch_patched", "unpatch_torch"]
+
+# Modules whose references are never rebound: ours (they must keep naming torch's class).
+_OWN_PACKAGE = __name__.rpartition(".")[0]
+
+# (owner, attribute) pairs rebound to our class; None while the switch is off.
+_rebound: list[tuple[Any, str]] | None = None
+
+
+def is_torch_patched() -> bool:
+    """True between :func:`patch_torch` and :func:`unpatch_torch`."""
+    return _rebound is not None
+
+
+def patch_torch() -> None:
+    """Make torch's FSDP1 class names resolve to ``fsdp_compat.FullyShardedDataParallel``.
+
+    Call it first thing, before the framework builds a model. Idempotent: a second call only
+    rebinds references imported since the first. Undo with :func:`unpatch_torch`.
+    """
+    global _rebound
+    if _rebound is None:
+        _rebound = []
+        if TORCH_FSDP1_CLASS is None:  # torch dropped FSDP1: frameworks still look the name up here
+            _rebound.append((torch.distributed.fsdp, "FullyShardedDataParallel"))
+            torch.distributed.fsdp.FullyShardedDataParallel = FullyShardedDataParallel
+            return
+        # Installed once and left in place, inactive while the switch is off: CPython cannot
+        # delete a class's __new__ cleanly (object.__new__ then rejects the constructor's arguments).
+        TORCH_FSDP1_CLASS.__new__ = staticmethod(_refuse_our_units_inside)  # type: ignore[method-assign]
+    if TORCH_FSDP1_CLASS is None:
+        return
+    rebound, unreachable = _rebind_references()
+    _rebound.extend(rebound)
+    _warn_about_late_references(rebound, unreachable)
+
+
+def unpatch_torch() -> None:
+    """Give torch's names back their own class (those still pointing at ours). Idempotent."""
+    global _rebound
+    if _rebound is None:
+        return
+    for owner, name in _rebound:
+        if vars(owner).get(name) is not FullyShardedDataParallel:
+            continue  # rebound again by someone else since: theirs now
+        if TORCH_FSDP1_CLASS is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, TORCH_FSDP1_CLASS)
+    _rebound = None
+
+
+@contextlib.contextmanager
+def torch_patched() -> Generator[None, None, None]:
+    """``with torch_patched():`` — :func:`patch_torch` inside the block; undone after it unless the
+    switch was already on."""
+    was_on = is_torch_patched()
+    patch_torch()
+    try:
+        yield
+    finally:
+        if not was_on:
+            unpatch_torch()
+
+
+def _refuse_our_units_inside(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``__new__`` of torch's FSDP1 class while patched: refuses before torch's ``__init__`` runs."""
+    module = args[0] if args else kwargs.get("module")
+    if is_torch_patched() and isinstance(module, nn.Module):
+        inside = [name or "<the module itself>" for name, m in module.named_modules()
+                  if isinstance(m, FullyShardedDataParallel)]
+        if inside:
+            raise ValueError(
+                f"Cannot wrap a module that contains fsdp_compat.FullyShardedDataParallel units (at "
+                f"{inside[:3]}) with torch's FSDP1 FullyShardedDataParallel: the two implementations "
+                "cannot be mixed in one model. fsdp_compat.patch_torch() is on, so wrap it with "
+                "torch.distributed.fsdp.FullyShardedDataParallel (now fsdp_compat's class) instead"
+            )
+    return object.__new__(cls)
+
+
+def _rebind_references() -> tuple[list[tuple[Any, str]], list[str]]:
+    """Rebind every reference to torch's class in imported modules' namespaces (and classes defined
+    there); return what was rebound and the names of containers holding it, which cannot be."""
+    rebound: list[tuple[Any, str]] = []
+    unreachable: list[str] = []
+    for module_name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or module_name.partition(".")[0] == _OWN_PACKAGE:
+            continue
+        for name, value in list(namespace.items()):
+            if value is TORCH_FSDP1_CLASS:
+                setattr(module, name, FullyShardedDataParallel)
+                rebound.append((module, name))
+            elif issubclass(type(value), type) and vars(value).get("__module__") == module_name:
+                rebound.extend(_rebind_class_attributes(value))
+            elif _holds_torch_class(value):
+                unreachable.append(f"{module_name}.{name}")
+    return rebound, unreachable
+
+
+def _rebind_class_attributes(cls: type) -> list[tuple[Any, str]]:
+    rebound = []
+    for name, value in list(vars(cls).items()):
+        if value is TORCH_FSDP1_CLASS:
+            setattr(cls, name, FullyShardedDataParallel)
+            rebound.append((cls, name))
+    return rebound
+
+
+def _holds_torch_class(value: Any) -> bool:
+    # Exact built-in containers only, read without calling their methods: anything else (lazy
+    # mappings, module proxies) may import or warn when touched, and is not ours to inspect.
+    kind = type(value)
+    if kind is dict:
+        return any(item is TORCH_FSDP1_CLASS for item in dict.values(value))
+    if kind in (tuple, list, set, frozenset):
+        return any(item is TORCH_FSDP1_CLASS for item in value)
+    return False
+
+
+def _owner_name(owner: Any) -> str:
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return owner.__name__
+
+
+def _warn_about_late_references(rebound: list[tuple[Any, str]], unreachable: list[str]) -> None:
+    # torch's own module-level aliases are expected and handled; anything else bound torch's class
+    # before the switch, so objects it already built with it remain torch's.
+    late = [f"{_owner_name(owner)}.{name}" for owner, name in rebound
+            if not _owner_name(owner).startswith("torch.")]
+    if late:
+        warnings.warn(
+            f"fsdp_compat.patch_torch() was called after {late} bound torch's FSDP1 class; they now "
+            "point to fsdp_compat's class, but anything built with torch's class before this call "
+            "is still torch's. Call patch_torch() before importing and building the model",
+            UserWarning, stacklevel=3)
+    if unreachable:
+        warnings.warn(
+            f"fsdp_compat.patch_torch() cannot rebind torch's FSDP1 class held inside {unreachable}: "
+            "code using those still sees torch's class. Call patch_torch() before importing them",
+            UserWarning, stacklevel=3)

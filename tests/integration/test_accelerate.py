@@ -1,0 +1,153 @@
+"""accelerate's ``FullyShardedDataParallelPlugin(fsdp_version=1)`` flow with torch's FSDP1 class
+switched to fsdp_compat's (the public ``fsdp_compat.torch_patched()``; see ``test_lightning_fabric.py``
+for what it rebinds). accelerate looks the class up at ``prepare`` time
+(``torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel``).
+
+CPU shim: accelerate only selects FSDP for GPU-like distributed types, so after building the
+``Accelerator`` the tests set ``state.distributed_type = DistributedType.FSDP`` and
+``state.fsdp_plugin``. torch's FSDP1 cannot run this flow on CPU (accelerate passes
+``device_id=torch.device("cpu")``, which FSDP1 refuses as "Inconsistent compute device and
+`device_id`: cpu vs cpu:0"), so training is compared with the unsharded model on both ranks' batches
+and resumed runs with the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("accelerate", reason="needs the integration extra: pip install -e '.[integration]'")
+
+import torch
+import torch.nn as nn
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from fsdp_compat.testing import distributed_test
+
+from ._common import assert_close, run_flow, shared_tmpdir
+
+STEPS, ACCUMULATE = 4, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _batches(n: int, rank: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1 + (torch.distributed.get_rank() if rank is None else rank))
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def _reference(n: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsharded model on both ranks' batches: this rank's losses and the final state."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mine, other = _batches(n), _batches(n, 1 - torch.distributed.get_rank())
+    losses = []
+    for i, ((x, y), (x2, y2)) in enumerate(zip(mine, other)):
+        with torch.no_grad():
+            losses.append(nn.functional.mse_loss(model(x), y).item())
+        (nn.functional.mse_loss(model(torch.cat([x, x2])), torch.cat([y, y2])) / ACCUMULATE).backward()
+        if (i + 1) % ACCUMULATE == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, model.state_dict()
+
+
+def _accelerator(state_dict_type: str = "FULL_STATE_DICT") -> Accelerator:
+    # accelerate keeps its state in process-wide singletons: start each flow afresh.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=1, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), state_dict_type=state_dict_type,
+        use_orig_params=True)
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    # CPU shim: accelerate selects FSDP only for GPU-like distributed types.
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    return accelerator
+
+
+def _prepare(accelerator: Accelerator, joint: bool):
+    model = _model()
+    if joint:  # the optimizer is built on the unwrapped model
+        return accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model = accelerator.prepare(model)
+    return model, accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _train(accelerator: Accelerator, model, optimizer, batches) -> list[float]:
+    losses = []
+    for x, y in batches:
+        with accelerator.accumulate(model):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_flow(joint: bool):
+    accelerator = _accelerator()
+    model, optimizer = _prepare(accelerator, joint)
+    losses = _train(accelerator, model, optimizer, _batches(STEPS * ACCUMULATE))
+    state = accelerator.get_state_dict(model)  # FULL, on rank 0 (accelerate's rank0_only)
+    return losses, {k: v.clone() for k, v in state.items()}
+
+
+# prepare(model, optimizer) gets an optimizer built on the unwrapped model.
+@pytest.mark.parametrize("joint", [True, False],
+                         ids=["prepare(model,optimizer)", "prepare(model)+prepare(optimizer)"])
+@distributed_test(world_size=2)
+def test_accelerate_trains_like_the_unsharded_model(joint):
+    losses, state = run_flow(_train_flow, joint, ours=True)
+    expected_losses, expected_state = _reference(STEPS * ACCUMULATE)
+    assert_close(losses, expected_losses, atol=1e-5)
+    if torch.distributed.get_rank() == 0:  # get_state_dict gathers to rank 0
+        assert_close(state, expected_state, atol=1e-5)
+
+
+def _resume_flow(state_dict_type: str, directory: str):
+    batches = _batches(2 * STEPS * ACCUMULATE)
+    half = STEPS * ACCUMULATE
+    accelerator = _accelerator(state_dict_type)
+    model, optimizer = _prepare(accelerator, joint=False)
+    uninterrupted = _train(accelerator, model, optimizer, batches)
+    expected = accelerator.get_state_dict(model)
+
+    accelerator = _accelerator(state_dict_type)
+    model, optimizer = _prepare(accelerator, joint=False)
+    first = _train(accelerator, model, optimizer, batches[:half])
+    accelerator.save_state(os.path.join(directory, state_dict_type))
+
+    accelerator = _accelerator(state_dict_type)
+    model, optimizer = _prepare(accelerator, joint=False)
+    accelerator.load_state(os.path.join(directory, state_dict_type))
+    second = _train(accelerator, model, optimizer, batches[half:])
+    return uninterrupted, first + second, expected, accelerator.get_state_dict(model)
+
+
+# Found by this test: after save_state/load_state, rank 1's AdamW state (exp_avg, exp_avg_sq) differs
+# from what it was at save time (rank 0's is exact; same values for FULL and SHARDED), so the resumed
+# run drifts from the second optimizer step on.
+OPTIMIZER_RELOAD_BUG = pytest.mark.xfail(
+    strict=True, reason="fsdp_compat bug found by this test: rank 1 optimizer state after accelerate load_state")
+
+
+@pytest.mark.parametrize("state_dict_type", [pytest.param("FULL_STATE_DICT", marks=OPTIMIZER_RELOAD_BUG),
+                                             pytest.param("SHARDED_STATE_DICT", marks=OPTIMIZER_RELOAD_BUG)])
+@distributed_test(world_size=2)
+def test_accelerate_save_load_state_resumes_like_uninterrupted(state_dict_type):
+    with shared_tmpdir() as directory:
+        uninterrupted, resumed, expected, state = run_flow(_resume_flow, state_dict_type, directory, ours=True)
+    assert_close(resumed, uninterrupted, atol=1e-6)
+    assert_close(state, expected, atol=1e-6)
