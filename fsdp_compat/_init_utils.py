@@ -12,6 +12,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from . import _engine
+
 
 def check_module(module: Any) -> None:
     """FSDP1 fails with ``AttributeError`` on a non-module; we keep the type, with a clear message."""
@@ -22,15 +24,25 @@ def check_module(module: Any) -> None:
         )
 
 
-# Every parameter an engine unit of this library shards, to recognise one a second root would
-# shard again (weak: a discarded model's parameters are forgotten with it). Keyed by id: tensors
-# compare by value, so a weak set of them cannot be searched.
-_sharded_by_a_unit: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+# The unit that sharded each parameter, by the parameter's id, to recognise one a second root
+# would shard again. The parameter itself is never referenced, not even weakly: a weak reference
+# would make ``torch.utils.swap_tensors`` refuse it (the mixed-precision re-typing path). A stale
+# id is harmless: the check confirms the parameter is still one of that unit's.
+_sharding_unit: dict[int, weakref.ref[nn.Module]] = {}
 
 
-def remember_sharded(params: Iterable[nn.Parameter]) -> None:
-    """Record the parameters a unit was given by the engine (see :func:`check_not_shared_with_another_root`)."""
-    _sharded_by_a_unit.update((id(param), param) for param in params)
+def remember_sharded(unit: nn.Module) -> None:
+    """Record the parameters the engine unit ``unit`` shards (see :func:`check_not_shared_with_another_root`)."""
+    for key in [key for key, ref in _sharding_unit.items() if ref() is None]:
+        del _sharding_unit[key]
+    reference = weakref.ref(unit)
+    _sharding_unit.update((id(param), reference) for param in _engine.sharded_params(unit))
+
+
+def _sharded_by_a_unit(param: nn.Parameter) -> bool:
+    reference = _sharding_unit.get(id(param))
+    unit = reference() if reference is not None else None
+    return unit is not None and any(sharded is param for sharded in _engine.sharded_params(unit))
 
 
 def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn.Parameter],
@@ -40,7 +52,7 @@ def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn
     Parameters of units nested in ``module`` (manual nesting) are this root's own."""
     nested = {id(param) for sub in module.modules() if isinstance(sub, wrapper_class) for param in sub.parameters()}
     for name, param in module.named_parameters():
-        if _sharded_by_a_unit.get(id(param)) is param and id(param) not in nested and param not in ignored_params:
+        if id(param) not in nested and _sharded_by_a_unit(param) and param not in ignored_params:
             raise ValueError(
                 f"Parameter {name!r} is already sharded by another FullyShardedDataParallel root: "
                 "one parameter cannot be sharded by two separately wrapped roots. Wrap a common "

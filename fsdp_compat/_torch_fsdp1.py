@@ -10,13 +10,11 @@ from typing import Any
 
 import torch.nn as nn
 
-try:
-    from torch.distributed.fsdp import fully_sharded_data_parallel as _fsdp1_module
-except ImportError:  # a torch without FSDP1: nothing of torch's to recognise or to refuse
-    _fsdp1_module = None
+import torch.distributed.fsdp as _torch_fsdp
 
-# The class as torch defines it (None when torch no longer ships FSDP1).
-TORCH_FSDP1_CLASS: type | None = getattr(_fsdp1_module, "FullyShardedDataParallel", None)
+# The class as torch exports it (None once torch no longer ships FSDP1), read through torch's
+# public name: recognising it needs the class object only, never FSDP1's modules.
+TORCH_FSDP1_CLASS: type | None = getattr(_torch_fsdp, "FullyShardedDataParallel", None)
 
 
 def is_torch_fsdp1(obj: Any) -> bool:

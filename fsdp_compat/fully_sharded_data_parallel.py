@@ -176,7 +176,7 @@ class FullyShardedDataParallel(nn.Module):
             offload_policy=_mixed_precision.engine_offload_policy(self.cpu_offload, self.compute_device),
             ignored_params=self._ignored_params,
         )
-        remember_sharded(_engine.sharded_params(module))
+        remember_sharded(module)
 
     # ------------------------------------------------------------------------------------------
     # Construction helpers
