@@ -292,9 +292,11 @@ def _gather_full_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[s
                 batches.setdefault(index.unit_of.get(param), []).append((param, name))
     gathered = {}
     for keys in batches.values():
-        fulls = full_tensors([states[param][name] for param, name in keys])
-        if keep:
-            gathered.update((key, full.cpu() if offload else full) for key, full in zip(keys, fulls))
+        # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
+        # keep nothing only take part in the collective.
+        fulls = full_tensors([states[param][name] for param, name in keys],
+                             "cpu" if offload else None, keep=keep)
+        gathered.update(zip(keys, fulls))
     return gathered
 
 
