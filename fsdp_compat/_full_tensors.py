@@ -91,7 +91,8 @@ def _all_gather_batch(batch: list[DTensor], group: dist.ProcessGroup, device: to
         local = tensor.to_local().detach()
         piece = by_rank[rank, offset:offset + numel].view(r, *tensor.shape[1:])
         piece[:local.shape[0]].copy_(local)
-        piece[local.shape[0]:].zero_()  # padding rows (never read back; keeps the buffer defined)
+        if local.shape[0] < r:
+            piece[local.shape[0]:].zero_()  # padding rows (never read back; keeps the buffer defined)
         offset += numel
     _ALL_GATHER(flat_output, by_rank[rank], group=group)
     results, offset = [], 0

@@ -440,7 +440,8 @@ def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
 
 def _broadcast_checked(osd: Any, index: _ParamIndex, group: Any) -> dict[str, Any]:
     """Rank 0 validates its ``osd`` and broadcasts the structure (or its error, so every rank
-    raises it instead of waiting); each tensor then follows, filled in where rank 0 had it."""
+    raises it instead of waiting); each tensor then follows, filled in where rank 0 had it.
+    Returns the state already in this model's layout (``_import_value``), as new memory."""
     message: list[Any] = [None]
     if dist.get_rank(group) == 0:
         try:
@@ -469,7 +470,9 @@ def _broadcast_checked(osd: Any, index: _ParamIndex, group: Any) -> dict[str, An
                 value = value.to(device)
             if torch.is_tensor(value) and value.dim() > 0:
                 dist.broadcast(value, group_src=0, group=group)
-            state[name][state_name] = value
+            # Converted (cut to this rank's shard) as it arrives: a rank holds one full tensor
+            # at a time, not the whole full state (FSDP1 does the same).
+            state[name][state_name] = _import_value(value, index.param_of_fqn[name])
     return {"state": state, "param_groups": osd["param_groups"]}
 
 
@@ -478,14 +481,15 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
     """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as a state dict that
     ``optim.load_state_dict`` takes: this optimizer's keys, this model's shards, new memory."""
     index = _param_index(model, optim, optim_input, named_keys=named_keys)
-    if rank0_only and dist.is_initialized():
+    converted = rank0_only and dist.is_initialized()
+    if converted:  # values arrive already in this model's layout
         osd = _broadcast_checked(osd, index, _model_group(model, group))
     else:
         _validate_for_load(osd, index)
     state: dict[ParamKey, Any] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        state[index.key_of[param]] = {state_name: _import_value(value, param)
+        state[index.key_of[param]] = {state_name: value if converted else _import_value(value, param)
                                       for state_name, value in param_state.items()}
     param_groups = []
     for saved, current in zip(osd["param_groups"], index.groups):
