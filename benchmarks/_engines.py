@@ -35,11 +35,14 @@ class ModelSpec:
 MODELS = {
     "small": ModelSpec(GPTConfig(vocab_size=2053, block_size=64, n_layer=6, n_head=8, n_embd=256), 4),
     "large": ModelSpec(GPTConfig(vocab_size=2053, block_size=64, n_layer=10, n_head=10, n_embd=640), 1),
+    # ~26M: the checkpoint suite's large model (a full --checkpoints run stays at a few minutes).
+    "medium": ModelSpec(GPTConfig(vocab_size=2053, block_size=64, n_layer=8, n_head=8, n_embd=512), 1),
 }
 # ``--quick``: same structure, tiny sizes (for the smoke test).
 QUICK_MODELS = {
     "small": ModelSpec(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32), 2),
     "large": ModelSpec(GPTConfig(vocab_size=37, block_size=16, n_layer=3, n_head=4, n_embd=64), 2),
+    "medium": ModelSpec(GPTConfig(vocab_size=37, block_size=16, n_layer=3, n_head=4, n_embd=64), 2),
 }
 
 
@@ -62,6 +65,7 @@ class RunContext:
     device: torch.device
     world_size: int
     hybrid_mesh: tuple[int, int]
+    use_orig_params: bool = False  # FSDP1-style engines only
     _meshes: dict[tuple[int, ...], DeviceMesh] | None = None
 
     @abstractmethod
@@ -118,6 +122,7 @@ class FSDP1StyleEngine(Engine):
             auto_wrap_policy=self.policy_class({Block}),
             sharding_strategy=getattr(self.api.ShardingStrategy, ctx.strategy),
             device_id=ctx.device,  # FSDP1 refuses a CPU module without it
+            use_orig_params=ctx.use_orig_params,
         )
         if ctx.strategy == "HYBRID_SHARD":
             kwargs["device_mesh"] = ctx.mesh(ctx.hybrid_mesh)

@@ -72,6 +72,7 @@ def merge_ranks(spec: dict[str, Any], ranks: list[dict[str, Any]], failure: str 
     first = min(ranks, key=lambda record: record["rank"])
     run["comm"] = first.get("comm", {})
     run["param_count"] = first.get("param_count")
+    run["sizes_mb"] = first.get("sizes_mb")
     run["state_bytes"] = first.get("state_bytes")
     run["memory_method"] = first.get("memory_method")
     run["phase_wall_s"] = first.get("phase_wall_s", {})
@@ -262,3 +263,131 @@ def plot(summary: dict[str, Any], engines: list[str], labels: dict[str, str], pa
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return f"plot written to {path}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint paths (--checkpoints)
+# ---------------------------------------------------------------------------------------------
+
+_CKPT = "ckpt:"
+
+
+def _checkpoint_sides(runs_or_cells: list[dict[str, Any]]) -> list[str]:
+    """``<path>:save`` / ``<path>:load`` in the order the runs measured them."""
+    from _checkpoints import PATHS
+
+    sides = []
+    for spec in PATHS:
+        for side in ("save", "load"):
+            key = f"{spec.name}:{side}"
+            if any(f"{_CKPT}{key}_s" in cell for cell in runs_or_cells):
+                sides.append(key)
+    return sides
+
+
+def summarize_checkpoints(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``summary[model][strategy][engine]``: per path side, the median over repeats of its time,
+    peak and collectives (or the error text); plus the unit and model sizes."""
+    grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for run in runs:
+        spec = run["spec"]
+        grouped[(spec["model"], spec["strategy"], spec["engine"])].append(run)
+    summary: dict[str, Any] = defaultdict(lambda: defaultdict(dict))
+    for (model, strategy, engine), group in grouped.items():
+        keys = sorted({key for run in group for key in run["metrics"] if key.startswith(_CKPT)})
+        cell: dict[str, Any] = {}
+        for key in keys:
+            values = [run["metrics"].get(key) for run in group]
+            numbers = [v for v in values if is_number(v)]
+            texts = [v for v in values if isinstance(v, str)]
+            cell[key] = statistics.median(numbers) if numbers else (texts[0] if texts else None)
+        cell["repeats"] = len(group)
+        cell["param_count"] = next((r.get("param_count") for r in group if r.get("param_count")), None)
+        cell["sizes_mb"] = next((r.get("sizes_mb") for r in group if r.get("sizes_mb")), None)
+        failures = [run["failure"] for run in group if run.get("failure")]
+        if failures:
+            cell["failure"] = failures[0]
+        summary[model][strategy][engine] = cell
+    return {model: dict(strategies) for model, strategies in summary.items()}
+
+
+def _side_error(cell: dict[str, Any], side: str) -> str | None:
+    """The error of a side: its own, or its path's save error (a load needs what save made)."""
+    value = cell.get(f"{_CKPT}{side}_s")
+    if isinstance(value, str):
+        return value
+    name = side.split(":")[0]
+    for key in (f"{_CKPT}{name}:save_s", f"{_CKPT}{name}:load_s"):
+        if isinstance(cell.get(key), str):
+            return cell[key]
+    return None
+
+
+def checkpoint_reference(cell: dict[str, Any], side: str) -> str | None:
+    """The engine fsdp_compat is held to on a path: FSDP1 where it ran, raw fully_shard otherwise."""
+    for engine in REFERENCE_ENGINES:
+        if is_number(cell.get(engine, {}).get(f"{_CKPT}{side}_s")):
+            return engine
+    return None
+
+
+def checkpoint_ratios(summary: dict[str, Any]) -> dict[str, Any]:
+    """``ratios[model][strategy][side]``: fsdp_compat's time over its reference's, and which."""
+    result: dict[str, Any] = {}
+    for model, strategies in summary.items():
+        for strategy, cell in strategies.items():
+            sides = _checkpoint_sides(list(cell.values()))
+            for side in sides:
+                reference = checkpoint_reference(cell, side)
+                result.setdefault(model, {}).setdefault(strategy, {})[side] = {
+                    "against": reference,
+                    "ratio": ratio(cell, f"{_CKPT}{side}_s", reference) if reference else None,
+                    "cpu_ratio": ratio(cell, f"{_CKPT}{side}_cpu_s", reference) if reference else None,
+                    "ratio_vs_raw": ratio(cell, f"{_CKPT}{side}_s", "fully_shard"),
+                    "cpu_ratio_vs_raw": ratio(cell, f"{_CKPT}{side}_cpu_s", "fully_shard")}
+    return result
+
+
+def render_checkpoints(summary: dict[str, Any], engines: list[str], labels: dict[str, str],
+                       meta: dict[str, Any]) -> str:
+    """One table per (model, strategy): each path side's time, collectives and peak per engine,
+    and fsdp_compat's time ratio against FSDP1 (raw fully_shard where FSDP1 cannot run: ``*``)."""
+    short = {"fsdp_compat": "compat", "fsdp1": "FSDP1", "fully_shard": "raw", "fully_shard_ws1": "raw1"}
+    lines = []
+    ratios = checkpoint_ratios(summary)
+    for model, strategies in summary.items():
+        for strategy, cell in strategies.items():
+            sizes = next((c.get("sizes_mb") for c in cell.values() if c.get("sizes_mb")), None) or {}
+            params = next((c.get("param_count") for c in cell.values() if c.get("param_count")), None)
+            lines.append(f"\n== checkpoints: model {model} ({(params or 0) / 1e6:.2f}M parameters, "
+                         f"largest unit {sizes.get('unit_max_mb', 0):.1f} MB full), {strategy}, "
+                         f"world size {meta['world_size']}, {meta['backend']}, medians of "
+                         f"{meta['repeats']} runs x {meta.get('checkpoint_calls', '?')} calls ==")
+            names = [short.get(e, e) for e in engines]
+            rows = [["path", *[f"s {n}" for n in names], "ratio", *[f"cpu {n}" for n in names], "cpu ratio",
+                     *[f"coll {n}" for n in names], *[f"peak MB {n}" for n in names]]]
+            for side in _checkpoint_sides(list(cell.values())):
+                times, cpu_times, counts, peaks = [], [], [], []
+                for engine in engines:
+                    engine_cell = cell.get(engine, {})
+                    error = _side_error(engine_cell, side)
+                    times.append("error" if error else _cell_text(engine_cell.get(f"{_CKPT}{side}_s"), "{:.4f}"))
+                    cpu_times.append("error" if error else
+                                     _cell_text(engine_cell.get(f"{_CKPT}{side}_cpu_s"), "{:.4f}"))
+                    counts.append(_cell_text(engine_cell.get(f"{_CKPT}{side}_collectives"), "{:.0f}"))
+                    peaks.append(_cell_text(engine_cell.get(f"{_CKPT}{side}_peak_mb"), "{:.1f}"))
+                entry = ratios.get(model, {}).get(strategy, {}).get(side, {})
+                mark = "*" if entry.get("against") == "fully_shard" else ""
+                wall, cpu = entry.get("ratio"), entry.get("cpu_ratio")
+                rows.append([side, *times, "" if wall is None else f"{wall:.2f}{mark}", *cpu_times,
+                             "" if cpu is None else f"{cpu:.2f}{mark}", *counts, *peaks])
+            lines.append(f"-- {strategy}")
+            lines.extend(_format_rows(rows))
+            errors = {(engine, side): _side_error(cell.get(engine, {}), side)
+                      for engine in engines for side in _checkpoint_sides(list(cell.values()))}
+            for (engine, side), error in errors.items():
+                if error and side.endswith(":save") or (error and not errors.get((engine, side.split(":")[0] + ":save"))):
+                    lines.append(f"   {short.get(engine, engine)} {side}: {error}")
+    lines.append("\nratio = fsdp_compat / torch FSDP1 (* = / raw fully_shard, where FSDP1 cannot run the path); "
+                 "s = wall time of the slowest rank, cpu = the largest rank's own CPU time")
+    return "\n".join(lines)

@@ -29,8 +29,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from _checkpoints import measure_paths, unit_full_mb
 from _comm import CollectiveCounter
-from _engines import MODELS, QUICK_MODELS, Engine, ModelSpec, RunContext, build_meta_model, make_engine, parameter_count
+from _engines import (MODELS, QUICK_MODELS, Engine, ModelSpec, RunContext, build_meta_model, make_engine,
+                      parameter_count)
+from fsdp_compat.examples import Block
 from _memory import PeakMemory
 from fsdp_compat.examples import synthetic_batch
 
@@ -59,6 +62,9 @@ class RunSpec:
     fixed_malloc: bool = True  # see _fixed_malloc_threshold
     foreach: bool | None = None  # AdamW(foreach=...): None is torch's default (per-tensor on CPU)
     count_collectives: bool = True  # collectives are deterministic: counted in the first repeat only
+    checkpoints: bool = False  # the checkpoint-path suite (_checkpoints) instead of training steps
+    checkpoint_calls: int = 3  # timed calls per checkpoint path (median)
+    use_orig_params: bool = False  # FSDP1-style engines (FSDP1's default is False)
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -212,7 +218,8 @@ def _measure(rank: int, spec: RunSpec, device: torch.device, record: Record) -> 
     memory = PeakMemory(device)
     record.data["memory_method"] = memory.method
     engine = make_engine(spec.engine)
-    ctx = RunContext(spec.strategy, device, spec.world_size, spec.hybrid_mesh)
+    ctx = RunContext(spec.strategy, device, spec.world_size, spec.hybrid_mesh,
+                     use_orig_params=spec.use_orig_params)
     if spec.strategy == "HYBRID_SHARD" or spec.engine == "fully_shard_ws1":
         ctx.mesh(spec.hybrid_mesh if spec.strategy == "HYBRID_SHARD" else (spec.world_size, 1))
     dist.barrier()
@@ -222,6 +229,7 @@ def _measure(rank: int, spec: RunSpec, device: torch.device, record: Record) -> 
     torch.manual_seed(0)
     model = build_meta_model(spec.model_spec)
     record.data["param_count"] = parameter_count(model)
+    record.data["sizes_mb"] = unit_full_mb(model, Block)
     memory.reset()
     wrapped = None
     with record.guard("wrap_time_s", "step_time_s"), record.phase("wrap"):
@@ -229,8 +237,53 @@ def _measure(rank: int, spec: RunSpec, device: torch.device, record: Record) -> 
         record.set("wrap_peak_mb", memory.peak_mb() - baseline_mb)
     if wrapped is None:
         return  # nothing to train; the error is recorded
+    if spec.checkpoints:
+        _checkpoint_suite(spec, engine, wrapped, device, memory, record)
+        return
     with record.guard("step_time_s", "step_cpu_s"):
         _train(spec, engine, wrapped, device, memory, baseline_mb, record)
+
+
+def _checkpoint_suite(spec: RunSpec, engine: Engine, model: nn.Module, device: torch.device,
+                      memory: PeakMemory, record: Record) -> None:
+    """A few training steps (so the optimizer has state), then every checkpoint path."""
+    trainer = Trainer(model, spec.model_spec, device, dist.get_rank(), spec.world_size, spec.foreach)
+    with record.phase("warmup"):
+        for _ in range(max(1, spec.warmup)):
+            trainer.step()
+    _sync(device)
+    profiles = _PathProfiles(spec.profile if dist.get_rank() == 0 else "", Path(spec.run_dir))
+    measure_paths(engine, model, trainer.optim, device, memory, record, spec.run_dir,
+                  spec.checkpoint_calls, spec.count_collectives, profiles.around)
+    profiles.write()
+
+
+class _PathProfiles:
+    """cProfile of each checkpoint path's timed calls (rank 0), one text file per path."""
+
+    def __init__(self, kind: str, run_dir: Path) -> None:
+        self.kind, self.run_dir = kind, run_dir
+        self.profiles: dict[str, cProfile.Profile] = {}
+
+    @contextlib.contextmanager
+    def around(self, key: str) -> Iterator[None]:
+        if self.kind != "cprofile":
+            yield
+            return
+        profile = self.profiles.setdefault(key, cProfile.Profile())
+        profile.enable()
+        try:
+            yield
+        finally:
+            profile.disable()
+
+    def write(self) -> None:
+        for key, profile in self.profiles.items():
+            name = key.replace(":", "_")
+            profile.dump_stats(str(self.run_dir / f"profile_{name}.pstats"))
+            with open(self.run_dir / f"profile_{name}.txt", "w") as out:
+                pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(50)
+                pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
 
 
 def _train(spec: RunSpec, engine: Engine, model: nn.Module, device: torch.device,

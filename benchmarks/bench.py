@@ -56,11 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
     parser.add_argument("--models", default="small,large",
                         help=f"comma list of {', '.join(MODELS)} (default small,large)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES),
-                        help=f"comma list of {', '.join(STRATEGIES)} (default: all)")
-    parser.add_argument("--engines", default=",".join(ENGINES),
+    parser.add_argument("--strategies", default=None,
+                        help=f"comma list of {', '.join(STRATEGIES)} (default: all; FULL_SHARD with "
+                             "--checkpoints)")
+    parser.add_argument("--engines", default=None,
                         help="comma list of fsdp_compat, fsdp1, fully_shard, fully_shard_ws1 (NO_SHARD "
-                             "only: fully_shard on a (world, 1) mesh); default: all")
+                             "only: fully_shard on a (world, 1) mesh); default: all (the first three "
+                             "with --checkpoints)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 3; --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; --quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per configuration (default 3; --quick 1)")
@@ -84,7 +86,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", choices=("cprofile", "torch"), default=None,
                         help="profile the timed steps on rank 0 of every run")
     parser.add_argument("--profile-dir", default="bench_profiles", help="where profiles go (with --profile)")
+    parser.add_argument("--checkpoints", action="store_true",
+                        help="time every checkpoint path (save and load) instead of training steps; "
+                             "default strategies FULL_SHARD, engines fsdp_compat,fsdp1,fully_shard")
+    parser.add_argument("--checkpoint-calls", type=int, default=3,
+                        help="timed calls per checkpoint path, after one untimed (default 3)")
+    parser.add_argument("--use-orig-params", choices=("true", "false"), default=None,
+                        help="use_orig_params of fsdp_compat and FSDP1 (default: false, FSDP1's default; "
+                             "true with --checkpoints, what Lightning and accelerate use)")
     args = parser.parse_args(argv)
+    if args.strategies is None:
+        args.strategies = "FULL_SHARD" if args.checkpoints else ",".join(STRATEGIES)
+    if args.engines is None:
+        args.engines = "fsdp_compat,fsdp1,fully_shard" if args.checkpoints else ",".join(ENGINES)
+    if args.use_orig_params is None:
+        args.use_orig_params = "true" if args.checkpoints else "false"
     args.steps = args.steps if args.steps is not None else (2 if args.quick else 3)
     args.warmup = args.warmup if args.warmup is not None else 1
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
@@ -141,7 +157,10 @@ def plan_runs(args: argparse.Namespace, engines: list[str], backend: str, mesh: 
                                         profile=args.profile or "",
                                         fixed_malloc=not args.default_malloc,
                                         foreach=True if args.foreach else None,
-                                        count_collectives=repeat == 0))
+                                        count_collectives=repeat == 0,
+                                        checkpoints=args.checkpoints,
+                                        checkpoint_calls=args.checkpoint_calls,
+                                        use_orig_params=args.use_orig_params == "true"))
     return runs
 
 
@@ -190,16 +209,17 @@ def _stop(processes: list[Any]) -> None:
 
 
 def _keep_profile(run_dir: Path, spec: RunSpec, profile_dir: str) -> None:
-    for source in (run_dir / "profile.txt", run_dir / "profile.pstats"):
-        if source.exists():
-            Path(profile_dir).mkdir(parents=True, exist_ok=True)
-            name = f"{spec.model}_{spec.strategy}_{spec.engine}_r{spec.repeat}_{spec.profile}{source.suffix}"
-            shutil.copy(source, Path(profile_dir) / name)
+    for source in sorted(run_dir.glob("profile*.txt")) + sorted(run_dir.glob("profile*.pstats")):
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        what = source.stem[len("profile"):]  # "" for training steps, "_<path>_<side>" for checkpoints
+        name = f"{spec.model}_{spec.strategy}_{spec.engine}_r{spec.repeat}_{spec.profile}{what}{source.suffix}"
+        shutil.copy(source, Path(profile_dir) / name)
 
 
 def _public_spec(spec: RunSpec) -> dict[str, Any]:
     fields = ("model", "strategy", "engine", "repeat", "world_size", "steps", "warmup", "backend",
-              "quick", "threads", "fixed_malloc", "foreach")
+              "quick", "threads", "fixed_malloc", "foreach", "checkpoints", "checkpoint_calls",
+              "use_orig_params")
     result = {name: getattr(spec, name) for name in fields}
     result["hybrid_mesh"] = list(spec.hybrid_mesh)
     return result
@@ -224,6 +244,11 @@ def machine_info() -> dict[str, Any]:
 
 def _progress(index: int, total: int, run: dict[str, Any]) -> str:
     spec, metrics = run["spec"], run["metrics"]
+    if spec.get("checkpoints"):
+        failed = [key for key, value in metrics.items() if key.startswith("ckpt:") and not _report.is_number(value)]
+        text = f"{len(failed)} path(s) failed" if failed else "all paths measured"
+        return (f"[{index}/{total}] {spec['model']:5} {spec['strategy']:13} {spec['engine']:15} "
+                f"repeat {spec['repeat']}: {run.get('failure') or text} ({run['wall_s']:.1f} s)")
     step = metrics.get("step_time_s")
     step_text = f"{step:.4f} s/step" if _report.is_number(step) else str(step or run.get("failure"))[:80]
     return (f"[{index}/{total}] {spec['model']:5} {spec['strategy']:13} {spec['engine']:15} "
@@ -246,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             "world_size": args.nproc, "backend": backend, "hybrid_mesh": list(mesh),
             "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
             "engines": engines, "quick": args.quick, "start_method": method,
+            "checkpoints": args.checkpoints, "checkpoint_calls": args.checkpoint_calls,
+            "use_orig_params": args.use_orig_params == "true",
             "optimizer": f"AdamW(lr=1e-4, foreach={True if args.foreach else None})",
             "malloc": "glibc default" if args.default_malloc else "fixed 128 KiB mmap threshold",
             **machine_info(),
@@ -263,9 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(os, "getloadavg"):
         meta["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
 
+    labels = {engine: make_engine(engine).label for engine in engines}
+    if args.checkpoints:
+        return _finish_checkpoints(args, results, engines, labels, meta)
     summary = _report.summarize(results)
     checks = _report.target_checks(summary)
-    labels = {engine: make_engine(engine).label for engine in engines}
     print(_report.render_table(summary, engines, labels, meta))
     print()
     print(_report.render_targets(checks))
@@ -282,6 +311,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"JSON written to {args.json}")
     if args.plot:
         print(_report.plot(summary, engines, labels, args.plot))
+    failed = [run for run in results if run.get("failure")]
+    if failed:
+        print(f"{len(failed)} run(s) failed; see the JSON 'runs' entries", flush=True)
+    return 0
+
+
+def _finish_checkpoints(args: argparse.Namespace, results: list[dict[str, Any]], engines: list[str],
+                        labels: dict[str, str], meta: dict[str, Any]) -> int:
+    summary = _report.summarize_checkpoints(results)
+    print(_report.render_checkpoints(summary, engines, labels, meta))
+    print(f"\nwall time {meta['wall_s']} s; load average at start {meta.get('loadavg_start')}, "
+          f"at end {meta.get('loadavg_end')}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"meta": meta, "summary": summary, "ratios": _report.checkpoint_ratios(summary), "runs": results},
+            indent=1, default=str))
+        print(f"JSON written to {args.json}")
     failed = [run for run in results if run.get("failure")]
     if failed:
         print(f"{len(failed)} run(s) failed; see the JSON 'runs' entries", flush=True)

@@ -21,32 +21,48 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["gather_full_tensors", "sharded_tensor_local_piece"]
+# torch 2.13 renamed ``all_gather_into_tensor`` (now deprecated, with a warning on every call)
+# to ``all_gather_single``; older torch has only the first.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+__all__ = ["engine_local_rows", "gather_full_tensors", "sharded_tensor_local_piece"]
 
 
-def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device) -> list[torch.Tensor]:
+def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
+                        out_device: torch.device | None = None, keep: bool = True) -> list[torch.Tensor]:
     """Full (unsharded) copies of ``tensors``, with one all-gather per process group and dtype.
 
     Every rank of the tensors' meshes must call this with the same tensors in the same order.
-    ``device`` is where the collective runs (local pieces offloaded to the CPU are moved there).
+    ``device`` is where the collective runs (local pieces offloaded to the CPU are moved there);
+    ``out_device`` where the full copies go (default: ``device``; a replicated value stays where
+    its local tensor is): with the CPU there, each value is
+    copied out of the gathered buffer straight to the CPU, so the accelerator never holds more
+    than that one buffer. ``keep=False`` takes part in the collectives and returns ``[]`` (other
+    ranks under ``rank0_only``): nothing beyond the buffer is ever allocated.
+
+    Memory: one buffer the size of the batch's full tensors (plus padding) while copying out;
+    the results are the only other new memory.
     """
     results: list[torch.Tensor | None] = [None] * len(tensors)
     batches: dict[tuple[int, torch.dtype], list[int]] = {}
     for index, tensor in enumerate(tensors):
         shard_dim = _engine_shard_mesh_dim(tensor)
         if shard_dim is None:  # replicated everywhere: the local tensor is the full one
-            results[index] = tensor.to_local().detach().clone()
+            local = tensor.to_local().detach()
+            results[index] = local.to(out_device or local.device, copy=True) if keep else None
         elif shard_dim < 0:  # a layout the engine does not produce: let DTensor work it out
-            results[index] = tensor.full_tensor().detach().clone()
+            full = tensor.full_tensor().detach()
+            results[index] = full.to(out_device or full.device, copy=True) if keep else None
         else:
             group = tensor.device_mesh.get_group(shard_dim)
             batches.setdefault((id(group), tensor.dtype), []).append(index)
     for indices in batches.values():
         batch = [tensors[i] for i in indices]
         group = batch[0].device_mesh.get_group(_engine_shard_mesh_dim(batch[0]))
-        for i, full in zip(indices, _all_gather_batch(batch, group, device)):
+        fulls = _all_gather_batch(batch, group, device, out_device or device, keep)
+        for i, full in zip(indices, fulls):
             results[i] = full
-    return results  # type: ignore[return-value]
+    return results if keep else []  # type: ignore[return-value]
 
 
 def _engine_shard_mesh_dim(tensor: DTensor) -> int | None:
@@ -59,29 +75,51 @@ def _engine_shard_mesh_dim(tensor: DTensor) -> int | None:
     return -1
 
 
-def _all_gather_batch(batch: list[DTensor], group: dist.ProcessGroup, device: torch.device) -> list[torch.Tensor]:
-    world_size = group.size()
+def _all_gather_batch(batch: list[DTensor], group: dist.ProcessGroup, device: torch.device,
+                      out_device: torch.device, keep: bool) -> list[torch.Tensor]:
+    """One in-place all-gather of the batch: each rank writes its (padded) pieces straight into
+    its own slot of the output buffer, so no padded copy or concatenation of the inputs exists,
+    then each full value is copied out of the buffer (rank-major layout) once."""
+    world_size, rank = group.size(), dist.get_rank(group)
     rows = [math.ceil(t.shape[0] / world_size) for t in batch]
-    row_numels = [math.prod(t.shape[1:]) for t in batch]
-    padded = [_padded_local(t, r, device) for t, r in zip(batch, rows)]
-    flat_input = torch.cat([p.reshape(-1) for p in padded])
-    flat_output = torch.empty(world_size * flat_input.numel(), dtype=flat_input.dtype, device=device)
-    dist.all_gather_into_tensor(flat_output, flat_input, group=group)
-    by_rank = flat_output.view(world_size, -1)
-    results, offset = [], 0
-    for tensor, r, row_numel in zip(batch, rows, row_numels):
-        numel = r * row_numel
-        full = by_rank[:, offset:offset + numel].reshape(world_size * r, *tensor.shape[1:])
-        results.append(full[:tensor.shape[0]].contiguous())
+    numels = [r * math.prod(t.shape[1:]) for t, r in zip(batch, rows)]
+    slot = sum(numels)
+    flat_output = torch.empty(world_size * slot, dtype=batch[0].dtype, device=device)
+    by_rank = flat_output.view(world_size, slot)
+    offset = 0
+    for tensor, r, numel in zip(batch, rows, numels):
+        local = tensor.to_local().detach()
+        piece = by_rank[rank, offset:offset + numel].view(r, *tensor.shape[1:])
+        piece[:local.shape[0]].copy_(local)
+        if local.shape[0] < r:
+            piece[local.shape[0]:].zero_()  # padding rows (never read back; keeps the buffer defined)
         offset += numel
+    _ALL_GATHER(flat_output, by_rank[rank], group=group)
+    results, offset = [], 0
+    for tensor, r, numel in zip(batch, rows, numels) if keep else ():
+        source = by_rank[:, offset:offset + numel].view(world_size, r, *tensor.shape[1:])
+        results.append(_copy_out(source, tensor.shape, out_device))
+        offset += numel
+    # Freed now, whoever still refers to the tensor (the collective's first call keeps one):
+    # the next unit's buffer must not sit beside this one.
+    flat_output.untyped_storage().resize_(0)
     return results
 
 
-def _padded_local(tensor: DTensor, rows: int, device: torch.device) -> torch.Tensor:
-    local = tensor.to_local().detach()
-    padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=device)
-    padded[:local.shape[0]].copy_(local)
-    return padded
+def _copy_out(source: torch.Tensor, shape: torch.Size, out_device: torch.device) -> torch.Tensor:
+    """``source`` (``[world, rows, ...]``: each rank's padded piece) as one new full tensor of
+    ``shape``: one copy when the rows divide evenly, else one per rank (the last ones short)."""
+    world_size, rows = source.shape[0], source.shape[1]
+    full = torch.empty(shape, dtype=source.dtype, device=out_device)
+    if world_size * rows == shape[0]:
+        full.view(world_size, rows, *shape[1:]).copy_(source)
+        return full
+    for rank in range(world_size):
+        start = rank * rows
+        count = max(0, min(rows, shape[0] - start))
+        if count:
+            full[start:start + count].copy_(source[rank, :count])
+    return full
 
 
 def sharded_tensor_local_piece(value: torch.Tensor, like: DTensor) -> torch.Tensor | None:
@@ -106,3 +144,13 @@ def _local_dim0_offset(like: DTensor) -> int:
         return 0
     rank = like.device_mesh.get_local_rank(shard_dim)
     return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim))
+
+
+def engine_local_rows(like: DTensor) -> tuple[int, int] | None:
+    """``(first row, row count)`` of this rank's piece of ``like`` when it is laid out as the
+    engine lays out parameters (dim-0 ``torch.chunk`` pieces, or replicated); else ``None``.
+    Cheaper than DTensor's general local-shape computation, which matters per state tensor."""
+    shard_dim = _engine_shard_mesh_dim(like)
+    if shard_dim is not None and shard_dim < 0:
+        return None
+    return _local_dim0_offset(like), like.to_local().shape[0]

@@ -295,9 +295,11 @@ def _gather_full_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[s
                 batches.setdefault(index.unit_of.get(param), []).append((param, name))
     gathered = {}
     for keys in batches.values():
-        fulls = full_tensors([states[param][name] for param, name in keys])
-        if keep:
-            gathered.update((key, full.cpu() if offload else full) for key, full in zip(keys, fulls))
+        # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
+        # keep nothing only take part in the collective.
+        fulls = full_tensors([states[param][name] for param, name in keys],
+                             "cpu" if offload else None, keep=keep)
+        gathered.update(zip(keys, fulls))
     return gathered
 
 
@@ -479,8 +481,9 @@ def _check_full_values(osd: Mapping[str, Any]) -> None:
                                  "what full_optim_state_dict / FULL optim_state_dict returned")
 
 
-def _broadcast_from_rank0(osd: Any, group: Any) -> dict[str, Any]:
-    """Rank 0's (validated) ``osd`` on every rank: the structure first, then each tensor."""
+def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str, Any]:
+    """Rank 0's (validated) ``osd`` on every rank: the structure first, then each tensor, cut to
+    this rank's shard as it arrives (``_import_value``), as new memory."""
     skeleton = broadcast_object(_skeleton(osd) if dist.get_rank(group) == 0 else None, group)
     if dist.get_rank(group) != 0:
         osd = skeleton
@@ -495,7 +498,9 @@ def _broadcast_from_rank0(osd: Any, group: Any) -> dict[str, Any]:
                 value = value.to(device)
             if torch.is_tensor(value) and value.dim() > 0:
                 dist.broadcast(value, group_src=0, group=group)
-            state[name][state_name] = value
+            # Converted (cut to this rank's shard) as it arrives: a rank holds one full tensor
+            # at a time, not the whole full state (FSDP1 does the same).
+            state[name][state_name] = _import_value(value, index.param_of_fqn[name])
     return {"state": state, "param_groups": osd["param_groups"]}
 
 
@@ -515,12 +520,13 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
             _validate_for_load(osd, index, optim)
             if rank0_only:
                 _check_full_values(osd)
-    if rank0_only and groups:
-        osd = _broadcast_from_rank0(osd, groups[0])
+    converted = rank0_only and bool(groups)
+    if converted:  # values arrive already in this model's layout
+        osd = _broadcast_from_rank0(osd, index, groups[0])
     state: dict[ParamKey, Any] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        state[index.key_of[param]] = {state_name: _import_value(value, param)
+        state[index.key_of[param]] = {state_name: value if converted else _import_value(value, param)
                                       for state_name, value in param_state.items()}
     param_groups = []
     for saved, current in zip(osd["param_groups"], index.groups):

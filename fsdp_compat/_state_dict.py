@@ -264,11 +264,11 @@ def _gather_full_parameters(plans: list[tuple[_Entry, StateDictType, StateDictCo
         tensors.setdefault(id(entry.sharded), entry.sharded)
     full: dict[int, torch.Tensor] = {}
     for unit, config, tensors in by_unit.values():
-        gathered = gather_full_tensors(list(tensors.values()), unit.compute_device)
-        if _only_rank0_keeps(config, rank):
-            continue
-        if config.offload_to_cpu:
-            gathered = [tensor.cpu() for tensor in gathered]
+        # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
+        # keep nothing only take part in the collective.
+        gathered = gather_full_tensors(list(tensors.values()), unit.compute_device,
+                                       out_device=torch.device("cpu") if config.offload_to_cpu else None,
+                                       keep=not _only_rank0_keeps(config, rank))
         full.update(zip(tensors.keys(), gathered))
     return full
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _engine, _flat_checkpoint
 from ._collectives import all_ranks_agree, broadcast_object, mesh_groups, ranks_where
-from ._engine import IncompatibleKeys
+from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_name
 from ._full_tensors import sharded_tensor_local_piece
 from ._state_dict_entries import (
@@ -355,8 +355,7 @@ def _as_target_form(item: _Incoming, state_dict_type: StateDictType) -> Any:
     piece = _piece_without_communication(value, sharded, _is_local_type(entry, state_dict_type))
     if piece is None:
         return shard_like(to_full(value), sharded)
-    return DTensor.from_local(piece.to(sharded.to_local().device), sharded.device_mesh, sharded.placements,
-                              run_check=False, shape=sharded.shape, stride=sharded.stride())
+    return dtensor_like(piece.to(sharded.to_local().device), sharded)
 
 
 def _piece_without_communication(value: torch.Tensor, sharded: DTensor, local_type: bool) -> torch.Tensor | None:

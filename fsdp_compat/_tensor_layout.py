@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._collectives import communication_device
-from ._engine import ShardedTensor, local_shape_and_offset, sharded_tensor_group
-from ._full_tensors import gather_full_tensors
+from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, sharded_tensor_group
+from ._full_tensors import engine_local_rows, gather_full_tensors
 
 __all__ = [
     "copy_to",
@@ -67,27 +67,27 @@ def full_tensor(value: DTensor) -> torch.Tensor:
     return full.to(local.device)
 
 
-def full_tensors(values: list[DTensor]) -> list[torch.Tensor]:
-    """The unsharded values of ``values`` as new memory each, with one all-gather per process
-    group and dtype (``full_tensor`` would issue one per tensor). A collective: every rank of
-    the meshes must call with the same tensors in the same order."""
+def full_tensors(values: list[DTensor], device: torch.device | str | None = None, *,
+                 keep: bool = True) -> list[torch.Tensor]:
+    """The unsharded values of ``values`` as new memory each, on ``device`` (default: where each
+    local shard is), with one all-gather per process group and dtype (``full_tensor`` would issue
+    one per tensor). ``keep=False``: take part, return ``[]``. A collective: every rank of the
+    meshes must call with the same tensors in the same order."""
     if not values:
         return []
-    device = torch.device(values[0].device_mesh.device_type)
-    fulls = gather_full_tensors(values, device)
-    results, seen = [], {value.to_local().untyped_storage().data_ptr() for value in values}
-    for value, full in zip(values, fulls):
-        if full.numel() and full.untyped_storage().data_ptr() in seen:  # a one-rank gather's views
-            full = full.clone()
-        seen.add(full.untyped_storage().data_ptr())
-        results.append(full.to(value.to_local().device))
-    return results
+    mesh_device = torch.device(values[0].device_mesh.device_type)
+    local_devices = {value.to_local().device for value in values}
+    out_device = (torch.device(device) if device is not None
+                  else local_devices.pop() if len(local_devices) == 1 else None)
+    fulls = gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep)
+    if out_device is None and keep:  # shards on several devices: each full value goes to its shard's
+        fulls = [full.to(value.to_local().device) for value, full in zip(values, fulls)]
+    return fulls
 
 
 def local_copy(value: DTensor, device: torch.device | str | None = None) -> DTensor:
     """``value`` with its local shard copied (optionally to ``device``); same layout."""
-    return DTensor.from_local(copy_to(value.to_local(), device), value.device_mesh, value.placements,
-                              run_check=False, shape=value.shape, stride=value.stride())
+    return dtensor_like(copy_to(value.to_local(), device), value)
 
 
 def same_layout(value: DTensor, like: DTensor) -> bool:
@@ -103,12 +103,16 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     ``torch.chunk`` sharding (uneven and empty shards included) taken from ``like`` itself.
     """
     local_like = like.to_local()
-    local_shape, offset = local_shape_and_offset(like)
-    index = tuple(slice(start, start + size) for start, size in zip(offset, local_shape))
-    local = torch.empty(local_shape, dtype=full.dtype, device=local_like.device)
-    local.copy_(full[index])
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    rows = engine_local_rows(like)
+    if rows is not None:  # the engine's layout: a run of rows, found without DTensor's general math
+        start, count = rows
+        piece = full[start:start + count]
+    else:
+        local_shape, offset = local_shape_and_offset(like)
+        piece = full[tuple(slice(begin, begin + size) for begin, size in zip(offset, local_shape))]
+    local = torch.empty(piece.shape, dtype=full.dtype, device=local_like.device)
+    local.copy_(piece)
+    return dtensor_like(local, like)
 
 
 def _sharded_tensor_to_full(value: Any) -> torch.Tensor:

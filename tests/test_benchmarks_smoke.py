@@ -110,3 +110,35 @@ def test_meta_init_frees_each_units_full_tensors():
         block.ln1.reset_parameters = functools.partial(record, block.ln1)
     FSDP(meta_model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     assert alive_when_initialised == [[], [False], [False, False]]
+
+
+def test_quick_checkpoint_run(tmp_path: Path) -> None:
+    """``--checkpoints``: every checkpoint path, save and load, is measured for every engine
+    (FSDP1's offload_to_cpu paths excepted: they crash FSDP1 on a CPU-only machine, and are then
+    compared with raw fully_shard), with its collectives and peak memory."""
+    out = tmp_path / "ckpt.json"
+    command = [sys.executable, str(BENCHMARKS / "bench.py"), "--checkpoints", "--quick", "--models", "small",
+               "--checkpoint-calls", "1", "--json", str(out)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cell = result["summary"]["small"]["FULL_SHARD"]
+    ratios = result["ratios"]["small"]["FULL_SHARD"]
+    sides = [f"{name}:save" for name in ("model_full", "model_full_rank0", "model_full_offload",
+                                           "model_full_offload_rank0", "model_sharded", "optim_full",
+                                           "optim_full_rank0", "optim_sharded", "legacy_full_scatter",
+                                           "legacy_full_shard", "dcp")]
+    sides += [f"{name}:load" for name in ("model_full", "model_sharded", "optim_full", "optim_full_rank0",
+                                           "optim_sharded", "legacy_full_scatter", "legacy_full_shard", "dcp")]
+    for side in sides:
+        for engine in ["fsdp_compat", "fully_shard"] + (["fsdp1"] if HAVE_FSDP1 and "offload" not in side else []):
+            for suffix in ("_s", "_cpu_s", "_peak_mb", "_collectives"):
+                value = cell[engine].get(f"ckpt:{side}{suffix}")
+                assert isinstance(value, (int, float)), (engine, side, suffix, value)
+        assert isinstance(ratios[side]["cpu_ratio"], float), side
+    if HAVE_FSDP1:
+        assert ratios["model_full_offload:save"]["against"] == "fully_shard"
+        assert ratios["model_full:save"]["against"] == "fsdp1"
+    # FULL model state dict: one all-gather per unit with parameters (2 blocks + the root), and
+    # the all-ranks agreement on state_dict_type's arguments (one small all-reduce).
+    assert cell["fsdp_compat"]["ckpt:model_full:save_collectives"] == 3 + 1
