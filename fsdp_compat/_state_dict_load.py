@@ -184,10 +184,20 @@ def _from_fsdp1_flat_params(wrapper: FullyShardedDataParallel, state_dict: Mappi
 
 def _match_keys(entries: list[_Entry], state_dict: Mapping[str, Any]) -> tuple[list[_Incoming], list[str], list[str]]:
     expected = {entry.key for entry in entries}
-    incoming = [_Incoming(entry, state_dict[entry.key]) for entry in entries if entry.key in state_dict]
+    incoming = [_Incoming(entry, _as_tensor_if_tensor_like(state_dict[entry.key]))
+                for entry in entries if entry.key in state_dict]
     missing = [entry.key for entry in entries if entry.key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]
     return incoming, missing, unexpected
+
+
+def _as_tensor_if_tensor_like(value: Any) -> Any:
+    """A tensor-like value that is not a tensor (a ``__torch_function__`` object, such as the lazily
+    loaded tensors of Lightning's FULL checkpoints) as the tensor it stands for. ``nn.Module`` only
+    reaches such values through torch functions (``copy_``), which load them; so does this."""
+    if isinstance(value, torch.Tensor) or not torch.overrides.is_tensor_like(value):
+        return value
+    return torch.detach(value)
 
 
 def _as_given_by_distributed_checkpoint(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any],

@@ -18,6 +18,10 @@ our class. ``torch.distributed.fsdp.wrap`` needs no patch: its ``enable_wrap``/`
 translated by our class. While the switch is on, constructing torch's own class around a module
 holding our units raises ``ValueError`` (ours always refuses torch's units inside): the two cannot be
 mixed in one model. No FSDP1 code is ever run by this module; it only rebinds names and refuses.
+
+One check outside torch is patched too: Lightning's ``_has_dtensor_modules`` (it recognises FSDP2 by
+``DTensor`` parameters before it checks for FSDP1's class) answers ``False`` for modules holding our
+units, so Lightning treats them as the FSDP1 modules they are (see ``_lightning_dtensor_check``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 import torch.distributed.fsdp
 import torch.nn as nn
 
+from . import _lightning_dtensor_check
 from ._torch_fsdp1 import TORCH_FSDP1_CLASS
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
@@ -55,6 +60,7 @@ def patch_torch() -> None:
     rebinds references imported since the first. Undo with :func:`unpatch_torch`.
     """
     global _rebound
+    _lightning_dtensor_check.patch()
     if _rebound is None:
         _rebound = []
         if TORCH_FSDP1_CLASS is None:  # torch dropped FSDP1: frameworks still look the name up here
@@ -76,6 +82,7 @@ def unpatch_torch() -> None:
     global _rebound
     if _rebound is None:
         return
+    _lightning_dtensor_check.unpatch()
     for owner, name in _rebound:
         if vars(owner).get(name) is not FullyShardedDataParallel:
             continue  # rebound again by someone else since: theirs now

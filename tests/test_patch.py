@@ -186,3 +186,46 @@ def test_launcher_runs_a_script_switched(tmp_path):
 def test_launcher_runs_a_module_switched(tmp_path):
     out = _run_launcher("-m", "probe", "x", tmp_path=tmp_path)
     assert out == "fsdp_compat.fully_sharded_data_parallel ['x'] __main__"
+
+
+# Lightning recognises FSDP2 by DTensor parameters (its ``_has_dtensor_modules``) before it checks
+# for FSDP1's class; stand-ins for its module, so these tests need no Lightning.
+LIGHTNING_CHECK_MODULE = "lightning_fabric.strategies.model_parallel"
+LIGHTNING_CHECK_SOURCE = "def _has_dtensor_modules(module):\n    return True  # Lightning's own answer\n"
+
+
+def _model_holding_our_unit() -> nn.Module:
+    # One of our units as far as isinstance can tell, built without a process group.
+    unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(unit)
+    return nn.Sequential(nn.Linear(2, 2), unit)
+
+
+def test_lightning_fsdp2_check_says_no_for_our_units_while_switched(monkeypatch):
+    lightning = types.ModuleType(LIGHTNING_CHECK_MODULE)
+    exec(LIGHTNING_CHECK_SOURCE, lightning.__dict__)
+    monkeypatch.setitem(sys.modules, LIGHTNING_CHECK_MODULE, lightning)
+    own_check = lightning._has_dtensor_modules
+    fsdp_compat.patch_torch()
+    assert lightning._has_dtensor_modules(_model_holding_our_unit()) is False
+    assert lightning._has_dtensor_modules(nn.Linear(2, 2)) is True  # anything else: Lightning's answer
+    fsdp_compat.unpatch_torch()
+    assert lightning._has_dtensor_modules is own_check
+
+
+def test_lightning_imported_after_the_switch_gets_the_check_patched(monkeypatch, tmp_path):
+    package = tmp_path / "lightning_fabric" / "strategies"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "model_parallel.py").write_text(LIGHTNING_CHECK_SOURCE)
+    for name in [n for n in sys.modules if n.partition(".")[0] == "lightning_fabric"]:
+        monkeypatch.delitem(sys.modules, name)  # an installed Lightning, if any, is restored after
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fsdp_compat.patch_torch()
+    import lightning_fabric.strategies.model_parallel as lightning
+
+    assert lightning.__file__.startswith(str(tmp_path))
+    assert lightning._has_dtensor_modules(_model_holding_our_unit()) is False
+    fsdp_compat.unpatch_torch()
+    assert lightning._has_dtensor_modules(_model_holding_our_unit()) is True

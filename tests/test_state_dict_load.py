@@ -145,6 +145,34 @@ def test_full_state_dict_loads_into_the_unwrapped_module_and_back():
         assert torch.equal(after[key], full[key]), key
 
 
+class _LazyTensor:
+    """A tensor-like checkpoint value that is not a tensor (Lightning loads FULL checkpoints as such):
+    torch functions receive the tensor it stands for; it has no tensor methods of its own."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        loaded = [a._tensor if isinstance(a, _LazyTensor) else a for a in args]
+        return func(*loaded, **(kwargs or {}))
+
+
+@distributed_test(world_size=2)
+def test_full_state_dict_of_tensor_like_values_loads_as_into_a_plain_module():
+    full = state_dict_of(build(FSDP), FULL)
+    lazy = {key: _LazyTensor(value) for key, value in full.items()}
+    plain = diff.make_model(seed=5)
+    plain.load_state_dict(lazy)  # nn.Module reaches them through torch functions
+    other = build(FSDP, steps=0)
+    assert other.load_state_dict(lazy) == _IncompatibleKeys([], [])
+    after = state_dict_of(other, FULL)
+    for key in full:
+        assert torch.equal(after[key], full[key]), key
+        assert torch.equal(after[key], plain.state_dict()[key]), key
+
+
 @needs_fsdp1
 @distributed_test(world_size=2)
 def test_load_accepts_sharded_tensor_and_dtensor_whatever_the_type():

@@ -136,13 +136,7 @@ def _resume_flow(state_dict_type: str, directory: str):
     return uninterrupted, first + second, expected, full_state(model._forward_module)
 
 
-# Fabric loads a FULL checkpoint through Lightning's _load_raw_module_state, which takes its DTensor
-# branch for our parameters and looks for wrapper-prefixed names (issue 10 item 2b, branch i10core).
-NEEDS_CLEAN_NAMES = pytest.mark.xfail(
-    strict=True, reason="needs issue 10 item 2b: DTensor-detecting callers (i10core)")
-
-
-@pytest.mark.parametrize("state_dict_type", [pytest.param("full", marks=NEEDS_CLEAN_NAMES), "sharded"])
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 @distributed_test(world_size=2)
 def test_fabric_save_load_resume_equals_uninterrupted(state_dict_type):
     with shared_tmpdir() as directory:

@@ -1,0 +1,98 @@
+"""Part of the switch: Lightning's "is this FSDP2?" check answers no for modules holding our units.
+
+Lightning tells FSDP2 / tensor-parallel models from FSDP1 ones by their ``DTensor`` parameters
+(``_has_dtensor_modules`` in ``lightning.fabric.strategies.model_parallel``), and does so *before*
+``isinstance(module, FullyShardedDataParallel)``. Our units hold ``DTensor`` parameters (the engine is
+FSDP2's) but keep FSDP1's ``_fsdp_wrapped_module.`` module names, so the FSDP2 branch of
+``_load_raw_module_state`` (``fabric.load`` and ``Trainer.fit(ckpt_path=...)`` of a FULL checkpoint)
+looks for wrapper-prefixed keys and fails. While the switch is on, that check answers ``False`` for a
+module that is or contains one of our units, so Lightning takes its FSDP1 branch, which is exactly the
+one it takes for torch's FSDP1. Any other module gets Lightning's own answer.
+
+Applied to the module if Lightning is already imported, and by an import hook when it is imported
+later; both undone by :func:`unpatch`. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch.nn as nn
+
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+# The module defining the check, under both of Lightning's package names.
+MODULE_NAMES = ("lightning.fabric.strategies.model_parallel", "lightning_fabric.strategies.model_parallel")
+CHECK_NAME = "_has_dtensor_modules"
+
+# module name -> Lightning's own check, for every module patched.
+_originals: dict[str, Callable[[object], bool]] = {}
+
+
+def patch() -> None:
+    """Patch the check where Lightning is imported; hook the import where it is not yet. Idempotent."""
+    for name in MODULE_NAMES:
+        if name in sys.modules:
+            _patch_module(sys.modules[name])
+    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+def unpatch() -> None:
+    """Give Lightning its own check back and remove the import hook. Idempotent."""
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _PatchOnImport)]
+    for name, original in list(_originals.items()):
+        module = sys.modules.get(name)
+        if module is not None and getattr(getattr(module, CHECK_NAME, None), "_fsdp_compat_original", None):
+            setattr(module, CHECK_NAME, original)
+        del _originals[name]
+
+
+def _patch_module(module: ModuleType) -> None:
+    original = getattr(module, CHECK_NAME, None)
+    if original is None or hasattr(original, "_fsdp_compat_original"):
+        return  # a Lightning version without the check, or patched already
+
+    def has_dtensor_modules(candidate: object) -> bool:
+        if isinstance(candidate, nn.Module) and any(
+                isinstance(m, FullyShardedDataParallel) for m in candidate.modules()):
+            return False  # FSDP1's API and names: Lightning's FSDP1 branch is the right one
+        return original(candidate)
+
+    has_dtensor_modules._fsdp_compat_original = original  # type: ignore[attr-defined]
+    setattr(module, CHECK_NAME, has_dtensor_modules)
+    _originals[module.__name__] = original
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the module defining the check, lets the other finders find it and
+    patches the check right after the module runs."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MODULE_NAMES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader: Any = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run_module = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            _patch_module(module)
+
+        loader.exec_module = exec_module
+        return spec
