@@ -264,6 +264,30 @@ def register_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
     unsafe_setattr_param(module, name, param)
 
 
+@contextlib.contextmanager
+def forward_hooks_suspended(module: nn.Module) -> Iterator[None]:
+    """The engine's forward hooks of the unit ``module`` taken out for the duration (put back in
+    their place after). Inside ``summon_full_params`` a forward must run on the summoned full
+    parameters in their own precision, as FSDP1 does: the engine's hooks would cast the inputs to
+    ``param_dtype``, all-gather low-precision parameters over the summoned ones and reshard them.
+    The hook dicts are ``nn.Module``'s; ``fully_shard`` keeps no public way to disable its hooks."""
+    state = engine_state(module)
+    handles = [] if state is None else [getattr(state, "_pre_forward_hook_handle", None),
+                                        getattr(state, "_post_forward_hook_handle", None)]
+    taken = []
+    for handle in handles:  # grouped units (several modules) use another handle type: left alone
+        hooks = getattr(handle, "hooks_dict_ref", lambda: None)()
+        if hooks is not None and handle.id in hooks:
+            taken.append((hooks, list(hooks), handle.id, hooks.pop(handle.id)))
+    try:
+        yield
+    finally:
+        for hooks, order, hook_id, hook in taken:
+            hooks[hook_id] = hook
+            for key in [key for key in order if key in hooks] + [key for key in hooks if key not in order]:
+                hooks.move_to_end(key)
+
+
 def iteration_in_progress(module: nn.Module) -> bool:
     """Whether the engine is inside a forward or backward of ``module``'s tree, or one raised and
     left its per-iteration state behind (between a forward and its backward is idle)."""

@@ -340,11 +340,16 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             _check_can_summon(wrapper)
     summoned: list[_SummonedParam] = []
     try:
-        for wrapper in wrappers:
-            wrapper.training_state = TrainingState.SUMMON_FULL_PARAMS
-            keep_shards = rank0_only and wrapper.rank != 0
-            _summon_unit(wrapper, keep_shards, offload_to_cpu, with_grads, summoned)
-        yield
+        with contextlib.ExitStack() as hooks_suspended:
+            for wrapper in wrappers:
+                wrapper.training_state = TrainingState.SUMMON_FULL_PARAMS
+                keep_shards = rank0_only and wrapper.rank != 0
+                _summon_unit(wrapper, keep_shards, offload_to_cpu, with_grads, summoned)
+                if not keep_shards:
+                    # A forward of the inner modules (``generate`` on ``model.module``) runs on
+                    # the full parameters in their own precision, as in FSDP1.
+                    hooks_suspended.enter_context(_engine.forward_hooks_suspended(wrapper.module))
+            yield
     finally:
         for item in summoned:
             _unsummon(item, writeback, with_grads)

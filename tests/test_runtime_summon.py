@@ -344,6 +344,43 @@ def test_forward_inside_summon_raises_and_training_continues():
                                        sharded=False))
 
 
+def _bf16_model(frozen: bool, strategy: str) -> nn.Module:
+    """bf16 ``MixedPrecision``; ``frozen``: only the attention trains (LoRA's frozen base)."""
+    inner = diff.make_model()
+    for name, param in inner.named_parameters():
+        param.requires_grad_(not frozen or ".attn." in name)
+    mixed = fsdp_compat.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return _build(FSDP, strategy, model=inner, mixed_precision=mixed)
+
+
+def _train_trainable(model: nn.Module, steps: int) -> list[float]:
+    return diff.train(model, diff.make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad]), steps)
+
+
+@pytest.mark.parametrize("strategy", FLAT)
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-trainable", "frozen-base"])
+@distributed_test(world_size=2)
+def test_inner_forward_inside_summon_runs_on_the_full_precision_parameters(frozen, strategy):
+    """``model.module(...)`` inside the context (what ``generate`` on an HF model's ``.module``
+    does) runs on the summoned full-precision parameters: no cast to ``param_dtype``, no
+    all-gather over them, which stay registered; training afterwards is unaffected.
+
+    Deliberately not FSDP1's behaviour: its inner units cast their inputs to ``param_dtype`` and
+    re-gather low-precision parameters under the open context, which on CPU fails with "mixed
+    dtype (CPU)" (checked side by side, torch 2.13).
+    """
+    diff.quiet()
+    tokens = diff.local_batch(0)[0]
+    model = _bf16_model(frozen, strategy)
+    with FSDP.summon_full_params(model, writeback=False):
+        summoned = [p for _, p in model.named_parameters()]
+        logits = model.module(tokens)
+        assert all(p is q for (_, p), q in zip(model.named_parameters(), summoned, strict=True))
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, diff.make_model()(tokens), rtol=1e-6, atol=1e-6)
+    assert _train_trainable(model, 2) == _train_trainable(_bf16_model(frozen, strategy), 2)
+
+
 @distributed_test(world_size=2)
 def test_names_inside_are_clean_like_fsdp1():
     diff.quiet()

@@ -95,14 +95,7 @@ CASES = {
     "llama-lora": ("llama", True, False),
     "gpt2-lora-bf16": ("gpt2", True, True),
 }
-# Found by this test: generate under summon_full_params after bf16 training with LoRA fails inside
-# the engine's forward ("mixed dtype (CPU): expect parameter to have scalar type of Float").
-GENERATE_BF16_LORA = pytest.mark.xfail(
-    strict=True, reason="fsdp_compat bug found by this test: summon_full_params + generate, bf16 + LoRA")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=GENERATE_BF16_LORA) if c == "gpt2-lora-bf16" else c
-                                  for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 @distributed_test(world_size=2)
 def test_hf_model_trains_checkpoints_and_generates(case):
     arch, lora, bf16 = CASES[case]
