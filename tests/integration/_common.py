@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import fsdp_compat
 
@@ -73,3 +74,35 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def small_model() -> nn.Module:
+    """The flows' model: a few ``nn.Linear`` units, the same on every rank."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def rank_batches(n: int, rank: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` (input, target) batches of ``rank`` (default: this rank), the same in every run."""
+    g = torch.Generator().manual_seed(1 + (dist.get_rank() if rank is None else rank))
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def unsharded_reference(n: int, accumulate: int, loss_divisor: float = 1.0
+                        ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsharded model trained on both ranks' batches (AdamW, clipping at 0.5, ``accumulate``
+    micro-batches a step): this rank's losses as the flow logs them (divided by ``loss_divisor``)
+    and the final state."""
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mine, other = rank_batches(n), rank_batches(n, 1 - dist.get_rank())
+    losses = []
+    for i, ((x, y), (x2, y2)) in enumerate(zip(mine, other)):
+        with torch.no_grad():
+            losses.append(nn.functional.mse_loss(model(x), y).item() / loss_divisor)
+        (nn.functional.mse_loss(model(torch.cat([x, x2])), torch.cat([y, y2])) / accumulate).backward()
+        if (i + 1) % accumulate == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, model.state_dict()

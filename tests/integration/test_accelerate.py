@@ -28,36 +28,16 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp_compat.testing import distributed_test
 
-from ._common import assert_close, run_flow, shared_tmpdir
+from ._common import (
+    assert_close,
+    rank_batches,
+    run_flow,
+    shared_tmpdir,
+    small_model,
+    unsharded_reference,
+)
 
 STEPS, ACCUMULATE = 4, 2
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def _batches(n: int, rank: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1 + (torch.distributed.get_rank() if rank is None else rank))
-    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
-
-
-def _reference(n: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The unsharded model on both ranks' batches: this rank's losses and the final state."""
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mine, other = _batches(n), _batches(n, 1 - torch.distributed.get_rank())
-    losses = []
-    for i, ((x, y), (x2, y2)) in enumerate(zip(mine, other)):
-        with torch.no_grad():
-            losses.append(nn.functional.mse_loss(model(x), y).item())
-        (nn.functional.mse_loss(model(torch.cat([x, x2])), torch.cat([y, y2])) / ACCUMULATE).backward()
-        if (i + 1) % ACCUMULATE == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            optimizer.step()
-            optimizer.zero_grad()
-    return losses, model.state_dict()
 
 
 def _accelerator(state_dict_type: str = "FULL_STATE_DICT") -> Accelerator:
@@ -79,7 +59,7 @@ def _accelerator(state_dict_type: str = "FULL_STATE_DICT") -> Accelerator:
 
 
 def _prepare(accelerator: Accelerator, joint: bool):
-    model = _model()
+    model = small_model()
     if joint:  # the optimizer is built on the unwrapped model
         return accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     model = accelerator.prepare(model)
@@ -103,7 +83,7 @@ def _train(accelerator: Accelerator, model, optimizer, batches) -> list[float]:
 def _train_flow(joint: bool):
     accelerator = _accelerator()
     model, optimizer = _prepare(accelerator, joint)
-    losses = _train(accelerator, model, optimizer, _batches(STEPS * ACCUMULATE))
+    losses = _train(accelerator, model, optimizer, rank_batches(STEPS * ACCUMULATE))
     state = accelerator.get_state_dict(model)  # FULL, on rank 0 (accelerate's rank0_only)
     return losses, {k: v.clone() for k, v in state.items()}
 
@@ -114,14 +94,14 @@ def _train_flow(joint: bool):
 @distributed_test(world_size=2)
 def test_accelerate_trains_like_the_unsharded_model(joint):
     losses, state = run_flow(_train_flow, joint, ours=True)
-    expected_losses, expected_state = _reference(STEPS * ACCUMULATE)
+    expected_losses, expected_state = unsharded_reference(STEPS * ACCUMULATE, ACCUMULATE)
     assert_close(losses, expected_losses, atol=1e-5)
     if torch.distributed.get_rank() == 0:  # get_state_dict gathers to rank 0
         assert_close(state, expected_state, atol=1e-5)
 
 
 def _resume_flow(state_dict_type: str, directory: str):
-    batches = _batches(2 * STEPS * ACCUMULATE)
+    batches = rank_batches(2 * STEPS * ACCUMULATE)
     half = STEPS * ACCUMULATE
     accelerator = _accelerator(state_dict_type)
     model, optimizer = _prepare(accelerator, joint=False)

@@ -26,40 +26,21 @@ from lightning.fabric.strategies import FSDPStrategy
 
 from fsdp_compat.testing import distributed_test
 
-from ._common import assert_close, full_state, run_flow, shared_tmpdir
+from ._common import (
+    assert_close,
+    full_state,
+    rank_batches,
+    run_flow,
+    shared_tmpdir,
+    small_model,
+    unsharded_reference,
+)
 
 STEPS, ACCUMULATE = 4, 2
 
 
 class CPUFSDPStrategy(FSDPStrategy):
     """Fabric's FSDPStrategy unchanged: only ``type(...) is FSDPStrategy`` (the GPU check) differs."""
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def _batches(n: int, rank: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1 + (torch.distributed.get_rank() if rank is None else rank))
-    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
-
-
-def _reference(n: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The unsharded model on both ranks' batches: this rank's losses and the final state."""
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mine, other = _batches(n), _batches(n, 1 - torch.distributed.get_rank())
-    losses = []
-    for i, ((x, y), (x2, y2)) in enumerate(zip(mine, other)):
-        with torch.no_grad():
-            losses.append(nn.functional.mse_loss(model(x), y).item() / ACCUMULATE)
-        (nn.functional.mse_loss(model(torch.cat([x, x2])), torch.cat([y, y2])) / ACCUMULATE).backward()
-        if (i + 1) % ACCUMULATE == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            optimizer.step()
-            optimizer.zero_grad()
-    return losses, model.state_dict()
 
 
 def _fabric(state_dict_type: str = "full") -> Fabric:
@@ -71,7 +52,7 @@ def _fabric(state_dict_type: str = "full") -> Fabric:
 
 
 def _setup(fabric: Fabric, joint: bool):
-    model = _model()
+    model = small_model()
     if joint:  # the optimizer is built on the unwrapped model, then both are set up together
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return fabric.setup(model, optimizer)
@@ -99,7 +80,7 @@ def _train(fabric: Fabric, model, optimizer, batches) -> list[float]:
 def _train_flow(joint: bool):
     fabric = _fabric()
     model, optimizer = _setup(fabric, joint)
-    losses = _train(fabric, model, optimizer, _batches(STEPS * ACCUMULATE))
+    losses = _train(fabric, model, optimizer, rank_batches(STEPS * ACCUMULATE))
     return losses, full_state(model._forward_module)
 
 
@@ -109,13 +90,14 @@ def _train_flow(joint: bool):
 @distributed_test(world_size=2)
 def test_fabric_trains_like_the_unsharded_model(joint):
     losses, state = run_flow(_train_flow, joint, ours=True)
-    expected_losses, expected_state = _reference(STEPS * ACCUMULATE)
+    expected_losses, expected_state = unsharded_reference(STEPS * ACCUMULATE, ACCUMULATE,
+                                                          loss_divisor=ACCUMULATE)
     assert_close(losses, expected_losses, atol=1e-5)
     assert_close(state, expected_state, atol=1e-5)
 
 
 def _resume_flow(state_dict_type: str, directory: str):
-    batches = _batches(2 * STEPS * ACCUMULATE)
+    batches = rank_batches(2 * STEPS * ACCUMULATE)
     half = STEPS * ACCUMULATE
     fabric = _fabric(state_dict_type)
     model, optimizer = _setup(fabric, joint=False)
