@@ -123,7 +123,7 @@ def _first_failure_message(error: Exception | None, groups: Sequence[Any]) -> st
     if error is not None:
         # A KeyError's str() is the repr of its message: relay the message itself.
         detail = error.args[0] if len(error.args) == 1 and isinstance(error.args[0], str) else str(error)
-        encoded = f"{type(error).__name__}: {detail}".encode("utf-8")[:_MESSAGE_BYTES]
+        encoded = f"{type(error).__name__}: {detail}".encode()[:_MESSAGE_BYTES]
         text[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     for group in groups:
         dist.all_reduce(text, group=group)

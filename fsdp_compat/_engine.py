@@ -8,7 +8,10 @@ upgrade that moves the internals breaks this file only.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
+import dataclasses
+import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -18,6 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+# Torch-private names outside FSDP2 (see the last section).
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import _IncompatibleKeys
 
 # ---- torch versions: the tested range, and the engine pieces this adapter needs ----
 
@@ -94,11 +103,6 @@ _require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetc
 _require_methods(FSDPParam, "reset_sharded_param")
 _require_methods(FSDPParamGroup, "_init_mp_dtypes")
 
-# Torch-private names outside FSDP2 (see the last section).
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.module import _IncompatibleKeys
 
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
     from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -500,10 +504,6 @@ class GradScalerBase(torch.amp.GradScaler):
 #
 # ``tests/test_dcp_state_dict_api.py`` checks both are in place: a torch upgrade that moves them
 # fails there loudly (and :data:`DISTRIBUTED_CHECKPOINT_INTEROP` is ``False``).
-
-import contextvars
-import dataclasses
-import functools
 
 _WRAPPER_SEGMENT = "_fsdp_wrapped_module"
 _INTEROP_MARK = "_fsdp_compat_interop"

@@ -253,6 +253,8 @@ def test_lightning_style_full_load_works_once_names_are_clean():
 @pytest.mark.xfail(strict=True, raises=Exception, reason=(
     "named_modules() keeps FSDP1's '_fsdp_wrapped_module.' level (FSDP1 contract, golden "
     "wrapper_names.json), so a caller that takes the FSDP2 branch on seeing DTensor parameters and "
-    "names tensors from named_modules() finds no clean key; see the issue 10 report"))
+    "names tensors from named_modules() finds no clean key without the switch; under "
+    "fsdp_compat.patch_torch() Lightning's own check takes its FSDP1 branch instead "
+    "(tests/test_patch.py, tests/integration/)"))
 def test_lightning_style_full_load_through_the_dtensor_branch():
     run_on_ranks(full_checkpoint_through_dtensor_branch, 2, False)
