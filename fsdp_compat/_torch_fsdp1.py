@@ -14,7 +14,11 @@ import torch.distributed.fsdp as _torch_fsdp
 
 # The class as torch exports it (None once torch no longer ships FSDP1), read through torch's
 # public name: recognising it needs the class object only, never FSDP1's modules.
-TORCH_FSDP1_CLASS: type | None = getattr(_torch_fsdp, "FullyShardedDataParallel", None)
+TORCH_FSDP1_CLASS: type | None
+try:
+    TORCH_FSDP1_CLASS = _torch_fsdp.FullyShardedDataParallel
+except (AttributeError, ImportError):  # a torch without FSDP1: nothing of torch's to recognise
+    TORCH_FSDP1_CLASS = None
 
 
 def is_torch_fsdp1(obj: Any) -> bool:

@@ -15,14 +15,20 @@ import pytest
 import torch
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
 import torch.distributed.fsdp
-import torch.distributed.fsdp.fully_sharded_data_parallel as torch_fsdp1_module
+
+from .differential import HAVE_FSDP1
+
+if not HAVE_FSDP1:  # what the switch rebinds is torch's FSDP1, absent in this mode
+    pytest.skip("the switch rebinds torch's FSDP1 names; torch has none here (FSDP_COMPAT_WITHOUT_FSDP1)",
+                allow_module_level=True)
+
+import torch.distributed.fsdp.fully_sharded_data_parallel as torch_fsdp1_module  # noqa: E402
 import torch.nn as nn
 
 import fsdp_compat
 from fsdp_compat import FullyShardedDataParallel
 from fsdp_compat.testing import distributed_test
 
-from .differential import HAVE_FSDP1
 
 # torch's class, read before any test switches the names. Held by an instance attribute, which the
 # switch leaves alone (it rebinds module globals and class attributes: this module's too).
