@@ -215,12 +215,17 @@ def _run_body(data: bytes, rank_: int, backend: str) -> _Reply:
 @contextlib.contextmanager
 def _as_in_a_fresh_process() -> Iterator[None]:
     """Run a body as if its worker were new: the warning filters it installs are undone when it
-    ends, and warnings the library gives once per process may be given again."""
-    from . import _common  # here, not at import: the pool itself does not need the library
+    ends, warnings the library gives once per process may be given again, and a torch switch
+    (``fsdp_compat.patch_torch``) the body left on is switched off."""
+    from . import _common, patch  # here, not at import: the pool itself does not need the library
 
     _common.forget_warnings()
-    with warnings.catch_warnings():
-        yield
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        if patch.is_torch_patched():
+            patch.unpatch_torch()
 
 
 def _worker_main(

@@ -71,7 +71,7 @@ def local_shards(model: nn.Module) -> list[torch.Tensor]:
 def check_inf_on_one_rank(kind: str) -> None:
     model = fp16_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = scaler_class(kind)("cpu", init_scale=INIT_SCALE, growth_interval=100)
+    scaler = scaler_class(kind)(diff.device().type, init_scale=INIT_SCALE, growth_interval=100)
     scaled_step(model, optimizer, scaler, 0)
     assert scaler.get_scale() == INIT_SCALE
 
@@ -105,7 +105,7 @@ def fp16_training(ours: bool, steps: int = 8) -> dict:
     """fp16 training from a scale so large that the first steps overflow and are skipped."""
     model = fp16_model(ours)
     optimizer = diff.make_optimizer("adamw", model.parameters())
-    scaler = (ShardedGradScaler if ours else TorchShardedGradScaler)("cpu", init_scale=2.0**SCALE_EXP, growth_interval=3)
+    scaler = (ShardedGradScaler if ours else TorchShardedGradScaler)(diff.device().type, init_scale=2.0**SCALE_EXP, growth_interval=3)
     losses, scales = [], []
     for step in range(steps):
         losses.append(scaled_step(model, optimizer, scaler, step))
@@ -131,7 +131,7 @@ def test_scale_grows_identically_on_every_rank():
     diff.quiet()
     model = fp16_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = ShardedGradScaler("cpu", init_scale=8.0, growth_interval=2)
+    scaler = ShardedGradScaler(diff.device().type, init_scale=8.0, growth_interval=2)
     scales = [scaled_step(model, optimizer, scaler, step) and scaler.get_scale() for step in range(4)]
     assert scales == [8.0, 16.0, 16.0, 32.0]
     assert same_on_all_ranks(scales)
@@ -146,7 +146,7 @@ def test_plain_and_sharded_grads_together():
     ignored = model.blocks[0].mlp.half()  # not managed, so not cast: it must already compute in fp16
     wrapped = FSDP(model, ignored_states=[ignored], mixed_precision=fsdp_compat.MixedPrecision(**FP16))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05)
-    scaler = ShardedGradScaler("cpu", init_scale=INIT_SCALE)
+    scaler = ShardedGradScaler(diff.device().type, init_scale=INIT_SCALE)
     tokens, targets = diff.local_batch(0)
     scaler.scale(diff.loss_fn(wrapped, tokens, targets)).backward()
     kinds = {(type(p.grad).__name__, p.grad.dtype) for p in wrapped.parameters() if p.grad is not None}
@@ -165,7 +165,7 @@ def test_rank_without_gradients_still_agrees():
     """A rank with no gradient at all still takes part in the agreement (one collective always)."""
     param = nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([param], lr=1.0)
-    scaler = ShardedGradScaler("cpu", init_scale=4.0)
+    scaler = ShardedGradScaler(diff.device().type, init_scale=4.0)
     scaler.scale(torch.ones(()))  # initialise the scale, as scale(loss) does
     if dist.get_rank() == 1:
         param.grad = torch.tensor([1.0, float("inf"), 1.0])
@@ -176,9 +176,9 @@ def test_rank_without_gradients_still_agrees():
 
 
 def test_scale_keeps_the_loss_dtype():
-    scaler = ShardedGradScaler("cpu", init_scale=4.0)
+    scaler = ShardedGradScaler(diff.device().type, init_scale=4.0)
     loss = torch.tensor(1.5, dtype=torch.float16)
     assert scaler.scale(loss).dtype == torch.float16
     assert scaler.scale(loss).item() == 6.0
     assert [t.dtype for t in scaler.scale([loss, loss.float()])] == [torch.float16, torch.float32]
-    assert ShardedGradScaler("cpu", enabled=False).scale(loss) is loss
+    assert ShardedGradScaler(diff.device().type, enabled=False).scale(loss) is loss

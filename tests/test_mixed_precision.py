@@ -660,9 +660,6 @@ def test_flat_param_view_errors_and_values():
 
 @distributed_test(world_size=2)
 def test_full_precision_in_eval_is_reported():
-    from fsdp_compat import _common
-
-    _common._warned.discard("FSDP_USE_FULL_PREC_IN_EVAL")
     os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
     try:
         with pytest.warns(UserWarning, match="not honoured"):

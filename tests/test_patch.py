@@ -27,7 +27,7 @@ import torch.nn as nn
 
 import fsdp_compat
 from fsdp_compat import FullyShardedDataParallel
-from fsdp_compat.testing import distributed_test
+from fsdp_compat.testing import device, distributed_test
 
 
 # torch's class, read before any test switches the names. Held by an instance attribute, which the
@@ -150,15 +150,15 @@ def test_torch_class_refuses_our_units_while_switched():
     if not HAVE_FSDP1:
         pytest.skip("torch's FSDP1 is not available")
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    model[0] = FullyShardedDataParallel(model[0], device_id=torch.device("cpu"))
+    model[0] = FullyShardedDataParallel(model[0], device_id=device())
     fsdp_compat.patch_torch()
     try:
         with pytest.raises(ValueError, match=r"contains fsdp_compat.FullyShardedDataParallel units .* \['0'\]"):
-            _torch.FSDP1(model, device_id=torch.device("cpu"))
+            _torch.FSDP1(model, device_id=device())
     finally:
         fsdp_compat.unpatch_torch()
     # Switched off, torch's class constructs as before.
-    assert isinstance(_torch.FSDP1(nn.Linear(4, 4), device_id=torch.device("cpu")), _torch.FSDP1)
+    assert isinstance(_torch.FSDP1(nn.Linear(4, 4), device_id=device()), _torch.FSDP1)
 
 
 @distributed_test(world_size=2)
@@ -166,7 +166,7 @@ def test_frameworks_lookup_builds_our_class_while_switched():
     with fsdp_compat.torch_patched():
         from torch.distributed.fsdp import FullyShardedDataParallel as FrameworkFSDP  # looked up late
 
-        wrapped = FrameworkFSDP(nn.Linear(4, 4), device_id=torch.device("cpu"), use_orig_params=True)
+        wrapped = FrameworkFSDP(nn.Linear(4, 4), device_id=device(), use_orig_params=True)
         assert isinstance(wrapped, torch.distributed.fsdp.FullyShardedDataParallel)
     assert type(wrapped) is FullyShardedDataParallel
 

@@ -182,7 +182,7 @@ def test_load_accepts_sharded_tensor_and_dtensor_whatever_the_type():
 
     expected = state_dict_of(build(diff.TorchFSDP), FULL)
     fsdp1_sharded = state_dict_of(build(diff.TorchFSDP), SHARDED)
-    fsdp1_dtensor = state_dict_of(build(diff.TorchFSDP, device_mesh=init_device_mesh("cpu", (2,))), SHARDED)
+    fsdp1_dtensor = state_dict_of(build(diff.TorchFSDP, device_mesh=init_device_mesh(diff.device().type, (2,))), SHARDED)
     assert type(fsdp1_sharded["tok_emb.weight"]).__name__ == "ShardedTensor"
     assert isinstance(fsdp1_dtensor["tok_emb.weight"], DTensor)
     ours_sharded = state_dict_of(build(FSDP), SHARDED)

@@ -15,6 +15,7 @@ from fsdp_compat.testing import (
     device,
     distributed_test,
     get_pool,
+    resolve_backend,
     rank,
     run_on_ranks,
     world_size,
@@ -87,7 +88,7 @@ def test_run_returns_per_rank_results(ws: int) -> None:
 
 def test_get_pool_is_cached_and_collectives_work() -> None:
     pool = get_pool(2)
-    assert get_pool(2) is pool and pool.backend == "gloo"
+    assert get_pool(2) is pool and pool.backend == resolve_backend(2)
     assert pool.run(_allreduce_sum) == [3.0, 3.0]
 
 
@@ -107,7 +108,8 @@ def test_decorated_allreduce() -> None:
 @distributed_test
 def test_bare_decorator_and_helpers() -> None:
     assert world_size() == 2 and rank() == dist.get_rank()
-    assert device() == torch.device("cpu")
+    expected = torch.device("cuda", dist.get_rank()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    assert device() == expected
 
 
 @pytest.mark.parametrize("scale, expected", [(1, 3.0), (2, 6.0)])
@@ -256,3 +258,20 @@ def test_warning_filters_a_body_installs_are_gone_in_the_next() -> None:
 def test_once_per_process_warnings_are_given_again_in_the_next_body() -> None:
     assert run_on_ranks(_moot_option_warnings, 2) == [1, 1]
     assert run_on_ranks(_moot_option_warnings, 2) == [1, 1]
+
+
+def _switch_torch_on() -> None:
+    import fsdp_compat
+
+    fsdp_compat.patch_torch()
+
+
+def _torch_is_switched() -> bool:
+    import fsdp_compat
+
+    return fsdp_compat.is_torch_patched()
+
+
+def test_a_torch_switch_a_body_leaves_on_is_off_in_the_next() -> None:
+    run_on_ranks(_switch_torch_on, 2)
+    assert run_on_ranks(_torch_is_switched, 2) == [False, False]
