@@ -195,7 +195,7 @@ class Demo:
         start = self.rank * per_rank
         return tokens[start:start + per_rank], targets[start:start + per_rank]
 
-    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
+    def step(self, model: FSDP, optimizer: torch.optim.Optimizer, step: int) -> float:
         tokens, targets = self.batch(step)
         logits = model(tokens)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))

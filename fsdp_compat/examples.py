@@ -40,6 +40,8 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("causal_mask", mask, persistent=False)
         self.reset_parameters()
 
+    causal_mask: torch.Tensor
+
     def reset_parameters(self) -> None:
         """Only the mask is this module's own state; it lets meta-device init rebuild it."""
         size = self.causal_mask.size(0)
@@ -98,6 +100,8 @@ class TinyGPT(nn.Module):
         self.head.weight = self.tok_emb.weight
         self.register_buffer("logit_scale", torch.empty(()))
         self.reset_parameters()
+
+    logit_scale: torch.Tensor
 
     def reset_parameters(self) -> None:
         """Only the buffer is this module's own state; it lets meta-device init rebuild it."""
