@@ -171,7 +171,7 @@ class Demo:
 
     # -- model, data, steps ------------------------------------------------------------------
 
-    def build(self, wrapper_class: Any = FSDP, **extra: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def build(self, wrapper_class: Any = FSDP, **extra: Any) -> tuple[FSDP, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = TinyGPT(MODEL_CONFIG).to(self.device)
         mixed = (MixedPrecision(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
@@ -207,7 +207,7 @@ class Demo:
         dist.all_reduce(value)
         return value.item() / self.world_size
 
-    def train(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range, label: str,
+    def train(self, model: FSDP, optimizer: torch.optim.Optimizer, steps: range, label: str,
               checkpoint_at: int | None = None) -> list[float]:
         losses = []
         for step in steps:
@@ -249,7 +249,7 @@ class Demo:
         self.log(f"saved FULL checkpoint {directory / 'full.pt'} and SHARDED checkpoint "
                  f"{directory / 'sharded'}; {self.checkpoint_dir / LATEST} now names {directory.name}")
 
-    def resume(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def resume(self) -> tuple[FSDP, torch.optim.Optimizer]:
         model, optimizer = self.build()
         directory = self.checkpoint_dir / (self.checkpoint_dir / LATEST).read_text().strip()
         # A fresh optimizer has no state yet, so its state dict could not serve as the template
