@@ -262,17 +262,7 @@ def no_sync_gradient_checksums(ours: bool, precision: str, strategy: str) -> dic
     return checksums
 
 
-# FSDP1 accumulates in the compute dtype and casts to ``reduce_dtype`` only to reduce; the engine
-# (every tested torch) accumulates in ``reduce_dtype`` when it differs from ``param_dtype``.
-_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE = pytest.mark.xfail(
-    strict=True, reason="known difference (README): no_sync accumulates in reduce_dtype, FSDP1 in the compute dtype")
-
-
-@pytest.mark.parametrize("precision", [
-    "bf16", "fp16",
-    pytest.param("bf16-reduce-fp32", marks=_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE),
-    pytest.param("reduce-bf16-only", marks=_ENGINE_ACCUMULATES_IN_REDUCE_DTYPE),
-])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16-reduce-fp32", "reduce-bf16-only"])
 @distributed_test(world_size=2)
 def test_no_sync_accumulates_in_compute_dtype(precision):
     """FSDP1 accumulates ``no_sync`` gradients in the compute dtype (``param_dtype``, else the
