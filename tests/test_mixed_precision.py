@@ -278,6 +278,21 @@ def test_no_sync_accumulates_in_compute_dtype(precision):
         assert abs(ours[name] - value) <= 1e-6 * max(abs(value), 1e-3), (name, ours[name], value)
 
 
+@pytest.mark.parametrize("precision", ["bf16-reduce-fp32", "reduce-bf16-only"])
+@pytest.mark.parametrize("strategy", ["NO_SHARD", "HYBRID_SHARD"])
+@distributed_test(world_size=2)
+def test_no_sync_accumulates_in_compute_dtype_for_every_strategy(precision, strategy):
+    """The replicated (all-reduce) strategies accumulate and reduce as ``FULL_SHARD`` does, hence
+    as FSDP1 (previous test; FSDP1 cannot give this oracle itself). On two ranks a reduce-scatter
+    and an all-reduce round the same two-term sums, so the checksums agree to float precision."""
+    diff.quiet()
+    ours = no_sync_gradient_checksums(True, precision, strategy)
+    full_shard = no_sync_gradient_checksums(True, precision, "FULL_SHARD")
+    assert set(ours) == set(full_shard)
+    for name, value in full_shard.items():
+        assert abs(ours[name] - value) <= 1e-6 * max(abs(value), 1e-3), (name, ours[name], value)
+
+
 # ---------------------------------------------------------------------------------------------
 # keep_low_precision_grads
 # ---------------------------------------------------------------------------------------------
