@@ -159,11 +159,63 @@ def apply_engine(
     ``reshard_after_forward=None`` lets the engine decide: resharded unless it is the root.
     """
     if replicate_only:
-        return replicate(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+        unit = replicate(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
                          ignored_params=ignored_params)
-    return fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                       mp_policy=mp_policy, offload_policy=offload_policy,
-                       ignored_params=ignored_params)
+    else:
+        unit = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                           mp_policy=mp_policy, offload_policy=offload_policy,
+                           ignored_params=ignored_params)
+    for group in param_groups(unit):
+        _accumulate_in_compute_dtype(group)
+    return unit
+
+
+# ---- gradient accumulation dtype: FSDP1's, on every torch ----
+#
+# FSDP1 accumulates unreduced (``no_sync``) gradients in the compute dtype (``param_dtype``, else
+# the parameter's own) and casts to ``reduce_dtype`` only to reduce. The engine keeps the group's
+# reduction dtype (``FSDPParamGroup._reduce_dtype``) apart from each parameter's accumulation
+# dtype, derived from ``FSDPParam.reduce_dtype``: torch < 2.15 moves the gradient into
+# ``unsharded_accumulated_grad`` in that dtype after a backward without reduction; torch 2.15
+# sets it as the unsharded parameter's ``grad_dtype`` (``FSDPParam.unsharded_grad_dtype``) and
+# upcasts gradients it lists in ``_fsdp_params_with_wider_grad_dtype``. Both are re-derived in
+# ``FSDPParamGroup._init_mp_dtypes`` (lazy init, and ``set_sharded_param_dtype``); right after
+# it, each parameter's accumulation dtype becomes its compute dtype while the group keeps
+# reducing in ``reduce_dtype`` (its copy into the reduce-scatter/all-reduce buffer casts, as it
+# already does for a first, unaccumulated gradient). No public setter reaches these dtypes.
+
+_ACCUMULATION_MARK = "_fsdp_compat_accumulates_in_compute_dtype"
+
+
+def _accumulate_in_compute_dtype(group: Any) -> None:
+    """Make ``group`` accumulate unreduced gradients in the compute dtype from now on (idempotent)."""
+    init_mp_dtypes = group._init_mp_dtypes
+    if getattr(init_mp_dtypes, _ACCUMULATION_MARK, False):
+        return
+
+    @functools.wraps(init_mp_dtypes)
+    def init_mp_dtypes_then_compute_dtype_accumulation() -> None:
+        init_mp_dtypes()
+        _set_compute_dtype_accumulation(group)
+
+    setattr(init_mp_dtypes_then_compute_dtype_accumulation, _ACCUMULATION_MARK, True)
+    group._init_mp_dtypes = init_mp_dtypes_then_compute_dtype_accumulation
+
+
+def _set_compute_dtype_accumulation(group: Any) -> None:
+    changed = set()
+    for fsdp_param in group.fsdp_params:
+        compute_dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
+        if fsdp_param.reduce_dtype in (None, compute_dtype) or not compute_dtype.is_floating_point:
+            continue
+        fsdp_param.reduce_dtype = compute_dtype
+        changed.add(id(fsdp_param))
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:  # made before this re-derivation: 2.15 set its grad_dtype
+            unsharded.grad_dtype = compute_dtype
+    wider = getattr(group, "_fsdp_params_with_wider_grad_dtype", None)  # torch >= 2.15
+    if wider is not None:
+        group._fsdp_params_with_wider_grad_dtype = [p for p in wider if id(p) not in changed]
 
 
 def engine_state(module: nn.Module) -> Any | None:
@@ -333,8 +385,10 @@ def recover_interrupted_iteration(module: nn.Module) -> bool:
 
 
 def _drop_accumulated_grad(fsdp_param: Any) -> None:
-    """Drop ``no_sync`` accumulation kept apart from ``.grad`` (torch < 2.15 does, in the reduce
-    dtype; from 2.15 ``unsharded_accumulated_grad`` is a read-only view of ``.grad``)."""
+    """Drop ``no_sync`` accumulation kept apart from ``.grad`` (torch < 2.15 keeps it there when a
+    parameter's accumulation dtype differs from its gradient's, which
+    :func:`_accumulate_in_compute_dtype` prevents; from 2.15 ``unsharded_accumulated_grad`` is a
+    read-only view of ``.grad``)."""
     if not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
         fsdp_param.unsharded_accumulated_grad = None
 
