@@ -160,8 +160,10 @@ def clip_grad_norm_(wrapper: FullyShardedDataParallel, max_norm: float | int,
                     norm_type: float | int = 2.0) -> torch.Tensor:
     """Clip all gradients in place by their total norm over every rank; return that norm.
 
-    FSDP1's coefficient ``min(max_norm / (total + 1e-6), 1)`` and return dtype (gradients'
-    promoted dtype; FP32, with a warning, on a rank without gradients).
+    FSDP1's coefficient ``min(max_norm / (total + 1e-6), 1)``, cast to each gradient's dtype
+    before multiplying (``torch.nn.utils.clip_grads_with_norm_`` does not cast, so bf16 results
+    differ, and refuses DTensor and plain gradients together), and FSDP1's return dtype
+    (gradients' promoted dtype; FP32, with a warning, on a rank without gradients).
     """
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes.
     with all_ranks_agree(mesh_groups(wrapper._device_mesh), "The clip_grad_norm_() arguments",

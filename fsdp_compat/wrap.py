@@ -145,14 +145,9 @@ def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies
 # ------------------------------------------------------------------------------------------------
 
 _TORCH_WRAP_MODULE = "torch.distributed.fsdp.wrap"
-# torch's policies by name, and how to make ours of them (objects from their FSDP1 attributes).
-_TRANSLATIONS: dict[str, Callable[[Any], Any]] = {
-    "ModuleWrapPolicy": lambda policy: ModuleWrapPolicy(policy._module_classes),
-    "CustomPolicy": lambda policy: CustomPolicy(policy._lambda_fn),
-    **{ours.__name__: (lambda _, ours=ours: ours) for ours in (
-        always_wrap_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy,
-        size_based_auto_wrap_policy, _or_policy, _wrap_module_cls_individually)},
-}
+_POLICY_FUNCTIONS: dict[str, Callable[..., bool]] = {function.__name__: function for function in (
+    always_wrap_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy,
+    size_based_auto_wrap_policy, _or_policy, _wrap_module_cls_individually)}
 
 
 def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
@@ -163,13 +158,18 @@ def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
         keywords = dict(policy.keywords)
         if "policies" in keywords:
             keywords["policies"] = [translate_policy(p) for p in keywords["policies"]]
-        return functools.partial(translate_policy(policy.func), *policy.args, **keywords)
+        function: Any = translate_policy(policy.func)
+        return functools.partial(function, *policy.args, **keywords)
     if getattr(policy, "__module__", None) == _TORCH_WRAP_MODULE:  # a torch function or object
         name = getattr(policy, "__name__", type(policy).__name__)
-        if name not in _TRANSLATIONS:
+        if name == "ModuleWrapPolicy":  # torch's objects are rebuilt from their FSDP1 attributes
+            return ModuleWrapPolicy(policy._module_classes)
+        if name == "CustomPolicy":
+            return CustomPolicy(policy._lambda_fn)
+        if name not in _POLICY_FUNCTIONS:
             raise TypeError(f"torch's wrap policy {name} has no fsdp_compat counterpart; pass one of "
-                            f"fsdp_compat.wrap's policies instead ({', '.join(_TRANSLATIONS)})")
-        return _TRANSLATIONS[name](policy)
+                            f"ModuleWrapPolicy, CustomPolicy, {', '.join(_POLICY_FUNCTIONS)} instead")
+        return _POLICY_FUNCTIONS[name]
     if not callable(policy):
         raise TypeError(
             "auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable "
