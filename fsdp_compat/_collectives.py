@@ -42,10 +42,6 @@ def same_on_all_ranks(value: Any, group: Any = None) -> bool:
     return all(torch.equal(other, digest) for other in everyone)
 
 
-def _to_bytes(value: Any, device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
-
-
 # Exception types an agreement re-raises on the ranks whose own checks passed (the failing rank's
 # type, so that ``except KeyError`` works everywhere); others become RuntimeError.
 _AGREED_TYPES: tuple[type[Exception], ...] = (RuntimeError, ValueError, KeyError, TypeError, AssertionError,
@@ -87,31 +83,28 @@ def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> It
     raise _AGREED_TYPES[kind](f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
 
 
+def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:
+    """Every global rank's ``value`` across ``groups`` (a CPU tensor indexed by rank): one small
+    all-reduce along each group in turn reaches every rank the groups span."""
+    values = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=communication_device(groups[0]))
+    values[dist.get_rank()] = value
+    for group in groups:
+        dist.all_reduce(values, group=group)
+    return values.cpu()
+
+
 def ranks_where(flag: bool, groups: Sequence[Any]) -> list[int]:
-    """Global ranks, across ``groups``, on which ``flag`` is set (one small all-reduce per group)."""
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=communication_device(groups[0]))
-    flags[dist.get_rank()] = int(flag)
-    for group in groups:  # along each group in turn: every rank the groups span
-        dist.all_reduce(flags, group=group)
-    return flags.cpu().nonzero().flatten().tolist()
-
-
-def _kind_code(error: Exception) -> int:
-    """1 + index of the first agreed type ``error`` is an instance of (0: RuntimeError's slot)."""
-    for index, kind in enumerate(_AGREED_TYPES):
-        if isinstance(error, kind) and (kind is not RuntimeError or type(error) is RuntimeError):
-            return index + 1
-    return 1
+    """Global ranks, across ``groups``, on which ``flag`` is set."""
+    return _per_rank(int(flag), groups).nonzero().flatten().tolist()
 
 
 def _failed_ranks(error: Exception | None, groups: Sequence[Any]) -> tuple[list[int], int]:
-    """Global ranks whose checks failed (one all-reduce per group), and the lowest one's type."""
-    device = communication_device(groups[0])
-    codes = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
-    codes[dist.get_rank()] = 0 if error is None else _kind_code(error)
-    for group in groups:  # along each group in turn: every rank the groups span
-        dist.all_reduce(codes, group=group)
-    codes = codes.cpu()
+    """Global ranks whose checks failed, and the index in ``_AGREED_TYPES`` of the lowest one's
+    type (the first it is an instance of; plain ``RuntimeError`` for any other type)."""
+    code = 0 if error is None else 1 + next(
+        (index for index, kind in enumerate(_AGREED_TYPES)
+         if isinstance(error, kind) and (kind is not RuntimeError or type(error) is RuntimeError)), 0)
+    codes = _per_rank(code, groups)
     failed = codes.nonzero().flatten().tolist()
     return failed, (int(codes[failed[0]]) - 1 if failed else 0)
 

@@ -518,13 +518,6 @@ class GradScalerBase(torch.amp.GradScaler):
     class does.
     """
 
-    def scale_tensor(self, device: torch.device) -> torch.Tensor:
-        """The scale as a tensor, created on ``device`` at first use (as ``scale()`` does)."""
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(device)
-        assert self._scale is not None
-        return self._scale
-
     def unscale_local_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                             found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         """Unscale ``optimizer``'s gradients in place; return each device's found-inf flag."""

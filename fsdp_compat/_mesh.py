@@ -8,6 +8,7 @@ cached so that auto-wrapping a model with many units creates its process groups 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +26,12 @@ MESH_DIM_NAMES_2D = ("replicate", "shard")
 _mesh_cache: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
+def _cached(key: tuple[Any, ...], build: Callable[[], DeviceMesh]) -> DeviceMesh:
+    if key not in _mesh_cache:
+        _mesh_cache[key] = build()
+    return _mesh_cache[key]
+
+
 def resolve_device(device_id: int | torch.device | None, process_group: Any) -> torch.device:
     """The compute device: ``device_id`` if given, else what the process group's backend drives."""
     if device_id is not None:
@@ -34,11 +41,9 @@ def resolve_device(device_id: int | torch.device | None, process_group: Any) -> 
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
-    group = process_group[0] if isinstance(process_group, tuple) else process_group
-    backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    return communication_device(process_group[0] if isinstance(process_group, tuple) else process_group)
 
 
 def build_mesh(
@@ -67,20 +72,12 @@ def build_mesh(
             f"not {strategy}; pass a single process group"
         )
     group = process_group if process_group is not None else dist.group.WORLD
-    key = ("1d", group, device.type)
-    if key not in _mesh_cache:
-        _mesh_cache[key] = DeviceMesh.from_group(group, device.type)
-    return _mesh_cache[key]
+    return _cached(("1d", group, device.type), lambda: DeviceMesh.from_group(group, device.type))
 
 
 def flatten_to_1d(mesh: DeviceMesh) -> DeviceMesh:
     """A 1-D mesh over all ranks of ``mesh`` (used when a unit's strategy needs no 2-D layout)."""
-    if mesh.ndim == 1:
-        return mesh
-    key = ("flat", mesh)
-    if key not in _mesh_cache:
-        _mesh_cache[key] = flatten_mesh(mesh)
-    return _mesh_cache[key]
+    return mesh if mesh.ndim == 1 else _cached(("flat", mesh), lambda: flatten_mesh(mesh))
 
 
 def _check_given_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
@@ -96,10 +93,8 @@ def _check_given_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
             "a 2-D mesh"
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        key = ("named", mesh)
-        if key not in _mesh_cache:
-            _mesh_cache[key] = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=MESH_DIM_NAMES_2D)
-        return _mesh_cache[key]
+        return _cached(("named", mesh), lambda: DeviceMesh(mesh.device_type, mesh.mesh,
+                                                           mesh_dim_names=MESH_DIM_NAMES_2D))
     return mesh
 
 
@@ -116,32 +111,17 @@ def _ranks_per_node(world_size: int) -> int:
 def _default_hybrid_mesh(device_type: str) -> DeviceMesh:
     world_size = dist.get_world_size()
     shard_size = _ranks_per_node(world_size)
-    key = ("hybrid", world_size, shard_size, device_type)
-    if key not in _mesh_cache:
-        _mesh_cache[key] = init_device_mesh(
-            device_type, (world_size // shard_size, shard_size), mesh_dim_names=MESH_DIM_NAMES_2D
-        )
-    return _mesh_cache[key]
+    return _cached(("hybrid", world_size, shard_size, device_type), lambda: init_device_mesh(
+        device_type, (world_size // shard_size, shard_size), mesh_dim_names=MESH_DIM_NAMES_2D))
 
 
 def _mesh_from_group_pair(intra_node: Any, inter_node: Any, device_type: str) -> DeviceMesh:
-    key = ("pair", intra_node, inter_node, device_type)
-    if key not in _mesh_cache:
-        _mesh_cache[key] = DeviceMesh.from_group(
-            [inter_node, intra_node], device_type, mesh=_node_layout(intra_node),
-            mesh_dim_names=MESH_DIM_NAMES_2D,
-        )
-    return _mesh_cache[key]
+    return _cached(("pair", intra_node, inter_node, device_type), lambda: DeviceMesh.from_group(
+        [inter_node, intra_node], device_type, mesh=_node_layout(intra_node), mesh_dim_names=MESH_DIM_NAMES_2D))
 
 
 def _node_layout(intra_node: Any) -> torch.Tensor:
-    """The (nodes, ranks per node) table of global ranks, learnt from every rank's intra-node group.
-
-    A tensor all-gather rather than an object collective: those need numpy.
-    """
-    node_ranks = torch.tensor(dist.get_process_group_ranks(intra_node), dtype=torch.int64,
-                              device=communication_device())
-    everyones = [torch.empty_like(node_ranks) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyones, node_ranks)
-    layout = sorted({tuple(ranks.tolist()) for ranks in everyones})
-    return torch.tensor(layout, dtype=torch.int)
+    """The (nodes, ranks per node) table of global ranks, learnt from every rank's intra-node group."""
+    everyones: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyones, dist.get_process_group_ranks(intra_node))
+    return torch.tensor(sorted({tuple(ranks) for ranks in everyones}), dtype=torch.int)

@@ -14,14 +14,13 @@ import contextlib
 import functools
 import math
 import warnings
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import _engine
@@ -129,60 +128,30 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-@dataclass
-class _GradGroup:
-    """Gradients whose shards are spread over the same mesh dimensions (empty: replicated)."""
+def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """FSDP1's total norm over every rank's gradients: the FP32 norm of each local part, combined
+    as one vector. Gradients sharded over the same mesh dimensions are reduced together over those
+    dimensions only (so a hybrid replica's copy counts once); replicated and plain ones
+    (``NO_SHARD``, ignored parameters) are added once, locally, last, as in FSDP1.
 
-    mesh: DeviceMesh | None
-    shard_dims: tuple[int, ...]
-    grads: list[torch.Tensor]
-
-
-def _group_grads_by_sharding(grads: Iterable[torch.Tensor]) -> list[_GradGroup]:
-    """Sharded gradients grouped by the mesh dims they are sharded over, then one group for the
-    rest (``NO_SHARD``, ignored and unmanaged parameters): those are counted once, locally."""
-    groups: dict[tuple[int, tuple[int, ...]], _GradGroup] = {}
-    replicated = _GradGroup(None, (), [])
-    for grad in grads:
-        if isinstance(grad, DTensor):
-            dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
-            if dims:
-                key = (id(grad.device_mesh), dims)
-                groups.setdefault(key, _GradGroup(grad.device_mesh, dims, [])).grads.append(grad)
-                continue
-        replicated.grads.append(grad)
-    return [*groups.values(), replicated]
-
-
-def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The FP32 ``norm_type``-norm of this rank's parts of ``grads``, viewed as one vector."""
-    parts = [_local(grad).detach() for grad in grads]
-    parts = [part for part in parts if part.numel() > 0]  # an empty shard adds nothing
-    if not parts:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = [torch.linalg.vector_norm(part, norm_type, dtype=torch.float32).to(device) for part in parts]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-
-def _total_norm(groups: list[_GradGroup], norm_type: float, device: torch.device) -> torch.Tensor:
-    """Combine the groups' local norms into the norm over all gradients of all ranks.
-
-    Each sharded group is reduced over its shard dimensions only, so a hybrid replica's copy is
-    not counted twice; the replicated group is added once, unreduced, as in FSDP1.
-
-    Not ``torch.nn.utils.get_total_norm``: it cannot mix DTensor gradients with plain ones
-    (``NO_SHARD``, ignored parameters) nor DTensors on different meshes (hybrid and non-hybrid
-    units in one model), which every FSDP1 model may have.
+    Not ``torch.nn.utils.get_total_norm`` (measured): it computes in the gradients' dtype (FSDP1
+    and we: FP32), cannot mix DTensors of different meshes or with plain tensors, and its inf
+    norm fails on an empty shard.
     """
     infinite = math.isinf(norm_type)
-    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    by_sharding: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
+    for grad in grads:
+        dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard()) if isinstance(grad, DTensor) else ()
+        by_sharding.setdefault((grad.device_mesh if dims else None, dims), []).append(_local(grad).detach())
+    by_sharding[(None, ())] = by_sharding.pop((None, ()), [])  # the unreduced ones last
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for group in groups:
-        local = _local_norm(group.grads, norm_type, device)
-        if not infinite:
-            local = local ** norm_type
-        for dim in group.shard_dims:
-            dist.all_reduce(local, op=op, group=group.mesh.get_group(dim))
+    for (mesh, dims), parts in by_sharding.items():
+        norms = [torch.linalg.vector_norm(part, norm_type, dtype=torch.float32).to(device)
+                 for part in parts if part.numel() > 0]  # an empty shard adds nothing
+        local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros_like(total)
+        local = local if infinite else local ** norm_type
+        for dim in dims:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=mesh.get_group(dim))
         total = torch.maximum(total, local) if infinite else total + local
     return total if infinite else total ** (1.0 / norm_type)
 
@@ -191,8 +160,10 @@ def clip_grad_norm_(wrapper: FullyShardedDataParallel, max_norm: float | int,
                     norm_type: float | int = 2.0) -> torch.Tensor:
     """Clip all gradients in place by their total norm over every rank; return that norm.
 
-    FSDP1's coefficient ``min(max_norm / (total + 1e-6), 1)`` and return dtype (gradients'
-    promoted dtype; FP32, with a warning, on a rank without gradients).
+    FSDP1's coefficient ``min(max_norm / (total + 1e-6), 1)``, cast to each gradient's dtype
+    before multiplying (``torch.nn.utils.clip_grads_with_norm_`` does not cast, so bf16 results
+    differ, and refuses DTensor and plain gradients together), and FSDP1's return dtype
+    (gradients' promoted dtype; FP32, with a warning, on a rank without gradients).
     """
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes.
     with all_ranks_agree(mesh_groups(wrapper._device_mesh), "The clip_grad_norm_() arguments",
@@ -201,7 +172,7 @@ def clip_grad_norm_(wrapper: FullyShardedDataParallel, max_norm: float | int,
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
         max_norm, norm_type = _check_clip_args(max_norm, norm_type)
     grads = [param.grad for param in wrapper.parameters() if param.grad is not None]
-    total = _total_norm(_group_grads_by_sharding(grads), norm_type, wrapper.compute_device)
+    total = _total_norm(grads, norm_type, wrapper.compute_device)
     if wrapper.cpu_offload.offload_params:
         total = total.cpu()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

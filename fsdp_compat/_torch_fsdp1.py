@@ -6,11 +6,8 @@ remembered here, once, when fsdp_compat is imported (before any patch can run).
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch.nn as nn
-
 import torch.distributed.fsdp as _torch_fsdp
+import torch.nn as nn
 
 # The class as torch exports it (None once torch no longer ships FSDP1), read through torch's
 # public name: recognising it needs the class object only, never FSDP1's modules.
@@ -21,20 +18,19 @@ except (AttributeError, ImportError):  # a torch without FSDP1: nothing of torch
     TORCH_FSDP1_CLASS = None
 
 
-def is_torch_fsdp1(obj: Any) -> bool:
-    """True for an instance of torch's FSDP1 class (whatever torch's names point to now)."""
-    return TORCH_FSDP1_CLASS is not None and isinstance(obj, TORCH_FSDP1_CLASS)
+def units_inside(module: nn.Module, cls: type | None) -> list[str]:
+    """Paths of up to three of ``module``'s modules (itself included) that are ``cls`` instances."""
+    found = [name or "<the module itself>" for name, m in module.named_modules() if cls and isinstance(m, cls)]
+    return found[:3]
 
 
 def check_no_torch_fsdp1_inside(module: nn.Module) -> None:
     """One model, one FSDP implementation: their units cannot gather, reduce or checkpoint together."""
-    if TORCH_FSDP1_CLASS is None:
-        return
-    inside = [name or "<the module itself>" for name, m in module.named_modules() if is_torch_fsdp1(m)]
+    inside = units_inside(module, TORCH_FSDP1_CLASS)
     if inside:
         raise ValueError(
             f"Cannot wrap a module that already contains torch's FSDP1 FullyShardedDataParallel "
-            f"(at {inside[:3]}) with fsdp_compat.FullyShardedDataParallel: the two implementations "
+            f"(at {inside}) with fsdp_compat.FullyShardedDataParallel: the two implementations "
             "cannot be mixed in one model. Build the model with one class only — call "
             "fsdp_compat.patch_torch() before any wrapping so every framework builds fsdp_compat's class"
         )

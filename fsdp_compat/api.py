@@ -180,21 +180,9 @@ class StateDictSettings:
 _EnumT = TypeVar("_EnumT", bound=Enum)
 _ConfigT = TypeVar("_ConfigT")
 
-_CONFIG_CLASSES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        MixedPrecision,
-        CPUOffload,
-        StateDictConfig,
-        FullStateDictConfig,
-        LocalStateDictConfig,
-        ShardedStateDictConfig,
-        OptimStateDictConfig,
-        FullOptimStateDictConfig,
-        LocalOptimStateDictConfig,
-        ShardedOptimStateDictConfig,
-    )
-}
+# Every dataclass above, by name: torch's equally named classes convert to these.
+_CONFIG_CLASSES: dict[str, type] = {name: value for name, value in list(globals().items())
+                                    if isinstance(value, type) and dataclasses.is_dataclass(value)}
 
 
 def coerce_enum(value: Any, enum_class: type[_EnumT], argument: str) -> _EnumT:

@@ -21,15 +21,16 @@ written must be named (``--ignored-modules side.proj``). Each rank's file is rea
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-from collections.abc import Callable, Iterable, Sequence
+import pkgutil
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._collectives import communication_device
 from ._flat_checkpoint import FLAT_PARAM, holds_flat_params
 from .api import FullStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
@@ -56,18 +57,12 @@ def convert_local_checkpoint(model: nn.Module, checkpoint: str | os.PathLike[str
     if not dist.is_initialized():
         raise RuntimeError("convert_local_checkpoint needs the default process group, of the "
                            "checkpoint's world size (or run `python -m fsdp_compat.convert`)")
-    device = torch.device(device) if device is not None else _default_device()
+    device = torch.device(device) if device is not None else communication_device()
     state_dict = _load_rank_file(str(checkpoint), device)
     wrapped = _wrap_like_checkpoint(model, state_dict, ignored_modules, device)
     with FullyShardedDataParallel.state_dict_type(wrapped, StateDictType.LOCAL_STATE_DICT):
         wrapped.load_state_dict(state_dict)
     _save(wrapped, str(output), output_format)
-
-
-def _default_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _load_rank_file(checkpoint: str, device: torch.device) -> dict[str, Any]:
@@ -117,17 +112,6 @@ def _save(wrapped: FullyShardedDataParallel, output: str, output_format: str) ->
     dist.barrier()
 
 
-def _factory(spec: str) -> Callable[[], nn.Module]:
-    """``module.path:function`` (``function`` may be dotted) as the function."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"--model must be 'module:function', got {spec!r}")
-    target: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        target = getattr(target, part)
-    return target
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_compat.convert",
@@ -147,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     """The command line (see the module docstring); starts a process group if there is none."""
     args = _parser().parse_args(argv)
-    model = _factory(args.model)()
+    model = pkgutil.resolve_name(args.model)()
     started = not dist.is_initialized()
     if started:
         _init_process_group(args.backend)

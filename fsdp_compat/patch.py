@@ -36,7 +36,7 @@ import torch.distributed.fsdp
 import torch.nn as nn
 
 from . import _lightning_dtensor_check
-from ._torch_fsdp1 import TORCH_FSDP1_CLASS
+from ._torch_fsdp1 import TORCH_FSDP1_CLASS, units_inside
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
 __all__ = ["is_torch_patched", "patch_torch", "torch_patched", "unpatch_torch"]
@@ -110,12 +110,11 @@ def _refuse_our_units_inside(cls: type, *args: Any, **kwargs: Any) -> Any:
     """``__new__`` of torch's FSDP1 class while patched: refuses before torch's ``__init__`` runs."""
     module = args[0] if args else kwargs.get("module")
     if is_torch_patched() and isinstance(module, nn.Module):
-        inside = [name or "<the module itself>" for name, m in module.named_modules()
-                  if isinstance(m, FullyShardedDataParallel)]
+        inside = units_inside(module, FullyShardedDataParallel)
         if inside:
             raise ValueError(
                 f"Cannot wrap a module that contains fsdp_compat.FullyShardedDataParallel units (at "
-                f"{inside[:3]}) with torch's FSDP1 FullyShardedDataParallel: the two implementations "
+                f"{inside}) with torch's FSDP1 FullyShardedDataParallel: the two implementations "
                 "cannot be mixed in one model. fsdp_compat.patch_torch() is on, so wrap it with "
                 "torch.distributed.fsdp.FullyShardedDataParallel (now fsdp_compat's class) instead"
             )
@@ -131,24 +130,16 @@ def _rebind_references() -> tuple[list[tuple[Any, str]], list[str]]:
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict) or module_name.partition(".")[0] == _OWN_PACKAGE:
             continue
-        for name, value in list(namespace.items()):
-            if value is TORCH_FSDP1_CLASS:
-                setattr(module, name, FullyShardedDataParallel)
-                rebound.append((module, name))
-            elif issubclass(type(value), type) and vars(value).get("__module__") == module_name:
-                rebound.extend(_rebind_class_attributes(value))
-            elif _holds_torch_class(value):
-                unreachable.append(f"{module_name}.{name}")
+        classes = [value for value in namespace.values()
+                   if issubclass(type(value), type) and vars(value).get("__module__") == module_name]
+        for owner in [module, *classes]:
+            for name, value in list(vars(owner).items()):
+                if value is TORCH_FSDP1_CLASS:
+                    setattr(owner, name, FullyShardedDataParallel)
+                    rebound.append((owner, name))
+                elif owner is module and _holds_torch_class(value):
+                    unreachable.append(f"{module_name}.{name}")
     return rebound, unreachable
-
-
-def _rebind_class_attributes(cls: type) -> list[tuple[Any, str]]:
-    rebound = []
-    for name, value in list(vars(cls).items()):
-        if value is TORCH_FSDP1_CLASS:
-            setattr(cls, name, FullyShardedDataParallel)
-            rebound.append((cls, name))
-    return rebound
 
 
 def _holds_torch_class(value: Any) -> bool:

@@ -1,15 +1,18 @@
 """``ShardedGradScaler``: loss scaling for fp16 training when every rank holds only a shard.
 
-A plain ``torch.amp.GradScaler`` looks for inf/NaN in the gradients it can see. Under FSDP each
-rank sees only its shards, so one rank may find an overflow that the others do not; if it then
-skips ``optimizer.step()`` while they step, the replicas drift apart for good. This scaler checks
-its local shards and then agrees with every rank of ``process_group`` (one all-reduce, MAX) before
-deciding, so all ranks skip the same steps and update the scale identically.
+torch's ``torch.amp.GradScaler`` does the scaling, the skipped steps and the scale's growth and
+backoff; this subclass keeps FSDP1's API and changes only what torch's cannot do with our
+gradients (the engine's sharded ``DTensor`` ones, plain tensors for ignored parameters, a mix, on
+the compute device or on the CPU under ``CPUOffload``):
 
-Same constructor and behaviour as torch FSDP1's
-``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` (which we do not import), with
-gradients that are the engine's sharded ``DTensor`` gradients, plain tensors (ignored parameters,
-``NO_SHARD``), or a mix, on the compute device or on the CPU (``CPUOffload``).
+* the inf/NaN verdict is agreed by every rank of ``process_group`` (one MAX all-reduce per
+  ``unscale_``). torch's checks each gradient where it lies: DTensor gradients through one
+  collective per device and dtype, plain ones not at all, so one rank could skip a step the
+  others take and the replicas would drift apart for good;
+* fp16 gradients may be unscaled (torch's refuses them; FSDP gradients may be fp16);
+* ``scale(loss)`` keeps each tensor's dtype (an fp16 loss stays fp16, as in FSDP1).
+
+Same constructor and behaviour as torch FSDP1's ``ShardedGradScaler`` (which we do not import).
 """
 
 from __future__ import annotations
@@ -38,9 +41,6 @@ class ShardedGradScaler(GradScalerBase):
             ``torch.amp.GradScaler``.
         process_group: the ranks that must agree (default: all ranks). It must contain every rank
             that shards or replicates the model's parameters.
-
-    Unlike ``torch.amp.GradScaler``, ``scale(loss)`` keeps the loss dtype (an fp16 loss stays
-    fp16, as in FSDP1) and fp16 gradients may be unscaled (``keep_low_precision_grads``).
     """
 
     def __init__(
@@ -59,66 +59,39 @@ class ShardedGradScaler(GradScalerBase):
         self.process_group = process_group
 
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
-        """Multiply ``outputs`` (a tensor or nested iterables of tensors) by the scale, keeping
-        each tensor's dtype."""
+        """``torch.amp.GradScaler.scale``, keeping each tensor's dtype."""
         if not self.is_enabled():
             return outputs
         if isinstance(outputs, torch.Tensor):
-            return self._scale_one(outputs)
-        return self._scale_nested(outputs)
-
-    def _scale_one(self, tensor: torch.Tensor) -> torch.Tensor:
-        scaled = tensor * self.scale_tensor(tensor.device).to(device=tensor.device, non_blocking=True)
-        return scaled.type(tensor.dtype)
-
-    def _scale_nested(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return self._scale_one(value)
-        if isinstance(value, abc.Iterable):
-            scaled = map(self._scale_nested, value)
-            return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
+            return super().scale(outputs).type(outputs.dtype)
+        if isinstance(outputs, abc.Iterable):
+            scaled = map(self.scale, outputs)
+            return type(outputs)(scaled) if isinstance(outputs, (list, tuple)) else scaled
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
-    def unscale_local_grads(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool = True,
-    ) -> dict[torch.device, torch.Tensor]:
-        """Unscale this rank's gradient shards in place; return the *agreed* found-inf flags.
-
-        Called by ``unscale_`` (and, for optimizers that unscale inside ``step``, by the base
-        class's inf check). The returned per-device flags all hold the verdict of every rank.
-        ``allow_fp16`` is ignored: FSDP gradients may legitimately be fp16.
-        """
+    def unscale_local_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                            found_inf: torch.Tensor, allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+        """Unscale this rank's gradient shards in place; return per-device found-inf flags that
+        all hold the verdict of every rank (``allow_fp16`` is ignored, see the module docstring)."""
         _orig_params.rebind_optimizer(optimizer)  # unscaling precedes the step's own re-pointing
-        per_device_found_inf: dict[torch.device, torch.Tensor] = {}
+        # ``found_inf`` lies where the scale does; a rank without gradients still takes part.
+        flags = {found_inf.device: found_inf.clone()}
         with torch.no_grad():
             for (device, _dtype), grads in _local_grads_by_device_and_dtype(optimizer).items():
-                if device not in per_device_found_inf:
-                    per_device_found_inf[device] = found_inf.to(device, copy=True)
-                self.unscale_and_check_(grads, per_device_found_inf[device], inv_scale.to(device))
-        scale_device = self.scale_tensor(found_inf.device).device
-        # Ranks whose shards are all empty still take part (and need a flag for step/update).
-        per_device_found_inf.setdefault(scale_device, found_inf.to(scale_device, copy=True))
-        self._agree_across_ranks(per_device_found_inf, scale_device)
-        return per_device_found_inf
-
-    def _agree_across_ranks(self, per_device_found_inf: dict[torch.device, torch.Tensor],
-                            scale_device: torch.device) -> None:
-        """One MAX all-reduce, whatever the devices, so every rank issues the same collective."""
-        verdict = torch.stack([flag.to(scale_device).reshape(()) for flag in
-                               per_device_found_inf.values()]).amax()
+                flag = flags.setdefault(device, found_inf.to(device, copy=True))
+                self.unscale_and_check_(grads, flag, inv_scale.to(device))
+        # One MAX all-reduce, whatever the devices, so every rank issues the same collective.
+        verdict = torch.stack([flag.to(found_inf.device).reshape(()) for flag in flags.values()]).amax()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self.process_group)
-        for flag in per_device_found_inf.values():
+        for flag in flags.values():
             flag.copy_(verdict.to(flag.device).reshape(flag.shape))
+        return flags
 
 
 def _local_grads_by_device_and_dtype(
         optimizer: torch.optim.Optimizer) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """The tensors to check and unscale: each gradient's local shard (its ``_values()`` if sparse)."""
+    """The tensors to check and unscale: each gradient's local shard (its values if sparse)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -128,16 +101,11 @@ def _local_grads_by_device_and_dtype(
             if isinstance(grad, DTensor):
                 grad = grad.to_local()
             if grad.is_sparse:
-                grad = _coalesced_values(param, grad)
+                # Duplicate indices of an fp16 gradient would be summed (and may overflow) by the
+                # optimizer: check the coalesced values, via fp32 as fp16 has no coalesce kernel.
+                if grad.dtype is torch.float16:
+                    param.grad = grad = grad.type(torch.float32).coalesce().type(torch.float16)
+                grad = sparse_values(grad)
             if grad.numel() > 0:
                 groups[(grad.device, grad.dtype)].append(grad)
     return groups
-
-
-def _coalesced_values(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    # Duplicate indices of an fp16 gradient would be summed (and may overflow) by the optimizer:
-    # check the coalesced values, via fp32 as fp16 has no coalesce kernel (torch's scalers too).
-    if grad.dtype is torch.float16:
-        grad = grad.type(torch.float32).coalesce().type(torch.float16)
-        param.grad = grad
-    return sparse_values(grad)

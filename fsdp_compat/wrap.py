@@ -10,9 +10,7 @@ translated to ours, so torch's FSDP1 wrap code is never run.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
@@ -33,17 +31,28 @@ __all__ = [
 CallablePolicy = Callable[..., bool]
 
 
-class _Policy(ABC):
-    """Base of the object policies: maps a root module to ``{module_to_wrap: kwargs}``."""
+class _Policy:
+    """Base of the object policies: ``_lambda_fn(module)`` says whether to wrap ``module``, or
+    gives a dict of constructor keyword overrides for it."""
 
-    @abstractmethod
-    def _run_policy(
-        self,
-        root_module: nn.Module,
-        ignored_modules: set[nn.Module],
-        root_kwargs: dict[str, Any],
-    ) -> dict[nn.Module, dict[str, Any]]:
+    _lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]
+
+    def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module],
+                    root_kwargs: dict[str, Any]) -> dict[nn.Module, dict[str, Any]]:
         """Return the modules to wrap, each with its constructor keyword arguments."""
+        targets: dict[nn.Module, dict[str, Any]] = {}
+        for module in root_module.modules():
+            if module in ignored_modules:
+                continue
+            decision = self._lambda_fn(module)
+            if not isinstance(decision, (dict, bool)):
+                raise ValueError(
+                    "The lambda_fn passed to CustomPolicy should return False/True or a kwarg "
+                    f"dict, but it returned {decision}"
+                )
+            if decision:
+                targets[module] = {**root_kwargs, **(decision if isinstance(decision, dict) else {})}
+        return targets
 
 
 class ModuleWrapPolicy(_Policy):
@@ -53,16 +62,11 @@ class ModuleWrapPolicy(_Policy):
         self._module_classes = set(module_classes)
         self._module_classes_str = str(self._module_classes)
 
-    def _run_policy(self, root_module, ignored_modules, root_kwargs):
-        classes = tuple(self._module_classes)
-        return {
-            module: copy.copy(root_kwargs)
-            for module in root_module.modules()
-            if module not in ignored_modules and isinstance(module, classes)
-        }
+    def _lambda_fn(self, module: nn.Module) -> bool:  # type: ignore[override]
+        return isinstance(module, tuple(self._module_classes))
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
-        return _wrap_module_classes_individually(module, recurse, 0, tuple(self._module_classes))
+        return _wrap_module_cls_individually(module, self._module_classes, recurse)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._module_classes_str})"
@@ -76,25 +80,7 @@ class CustomPolicy(_Policy):
     """
 
     def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]):
-        self._lambda_fn = lambda_fn
-
-    def _run_policy(self, root_module, ignored_modules, root_kwargs):
-        targets: dict[nn.Module, dict[str, Any]] = {}
-        for module in root_module.modules():
-            if module in ignored_modules:
-                continue
-            decision = self._lambda_fn(module)
-            if not isinstance(decision, (dict, bool)):
-                raise ValueError(
-                    "The lambda_fn passed to CustomPolicy should return False/True or a kwarg "
-                    f"dict, but it returned {decision}"
-                )
-            if decision:
-                kwargs = copy.copy(root_kwargs)
-                if isinstance(decision, dict):
-                    kwargs.update(decision)
-                targets[module] = kwargs
-        return targets
+        self._lambda_fn = lambda_fn  # type: ignore[assignment]
 
 
 def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
@@ -105,18 +91,26 @@ def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
 def lambda_auto_wrap_policy(
     module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable[[nn.Module], bool]
 ) -> bool:
-    """Wrap the modules for which ``lambda_fn(module)`` is true (use with ``functools.partial``)."""
-    return True if recurse else bool(lambda_fn(module))
+    """Wrap the modules for which ``lambda_fn(module)`` is true (use with ``functools.partial``);
+    the class-based policies are this one with an ``isinstance`` test."""
+    return recurse or bool(lambda_fn(module))
 
 
 def transformer_auto_wrap_policy(
     module: nn.Module,
     recurse: bool,
     nonwrapped_numel: int,
-    transformer_layer_cls: set[type[nn.Module]],
+    transformer_layer_cls: Iterable[type[nn.Module]],
 ) -> bool:
     """Wrap every instance of ``transformer_layer_cls`` (use with ``functools.partial``)."""
-    return _wrap_module_classes_individually(module, recurse, nonwrapped_numel, tuple(transformer_layer_cls))
+    return _wrap_module_cls_individually(module, transformer_layer_cls, recurse)
+
+
+def _wrap_module_cls_individually(module: nn.Module, module_classes: Iterable[type], recurse: bool,
+                                  *args: Any, **kwargs: Any) -> bool:
+    """The class-based policies' one rule (FSDP1's name and signature): descend everywhere, wrap
+    instances of ``module_classes``."""
+    return recurse or isinstance(module, tuple(module_classes))
 
 
 def size_based_auto_wrap_policy(
@@ -142,13 +136,6 @@ size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict
 size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
 
 
-def _wrap_module_classes_individually(
-    module: nn.Module, recurse: bool, nonwrapped_numel: int, module_classes: tuple[type, ...]
-) -> bool:
-    """The class-based policies' one rule: descend everywhere, wrap instances of ``module_classes``."""
-    return True if recurse else isinstance(module, tuple(module_classes))
-
-
 def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies: list) -> bool:
     return any(p(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for p in policies)
 
@@ -158,42 +145,31 @@ def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies
 # ------------------------------------------------------------------------------------------------
 
 _TORCH_WRAP_MODULE = "torch.distributed.fsdp.wrap"
-_OUR_POLICY_FUNCTIONS: dict[str, Callable[..., bool]] = {
-    "always_wrap_policy": always_wrap_policy,
-    "lambda_auto_wrap_policy": lambda_auto_wrap_policy,
-    "transformer_auto_wrap_policy": transformer_auto_wrap_policy,
-    "size_based_auto_wrap_policy": size_based_auto_wrap_policy,
-    "_or_policy": _or_policy,
-    "_wrap_module_cls_individually": _wrap_module_classes_individually,
-}
-
-
-def _is_torch_wrap_object(obj: Any) -> bool:
-    return getattr(type(obj), "__module__", "") == _TORCH_WRAP_MODULE
+_POLICY_FUNCTIONS: dict[str, Callable[..., bool]] = {function.__name__: function for function in (
+    always_wrap_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy,
+    size_based_auto_wrap_policy, _or_policy, _wrap_module_cls_individually)}
 
 
 def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
     """Return ``policy`` with any torch FSDP1 policy object or function replaced by ours."""
     if policy is None or isinstance(policy, _Policy):
         return policy
-    if _is_torch_wrap_object(policy):
-        name = type(policy).__name__
-        if name == "ModuleWrapPolicy":
-            return ModuleWrapPolicy(policy._module_classes)
-        if name == "CustomPolicy":
-            return CustomPolicy(policy._lambda_fn)
-        raise TypeError(f"Unsupported torch wrap policy object {name}; use fsdp_compat.wrap policies")
     if isinstance(policy, functools.partial):
-        function = translate_policy(policy.func)
         keywords = dict(policy.keywords)
         if "policies" in keywords:
             keywords["policies"] = [translate_policy(p) for p in keywords["policies"]]
+        function: Any = translate_policy(policy.func)
         return functools.partial(function, *policy.args, **keywords)
-    if getattr(policy, "__module__", None) == _TORCH_WRAP_MODULE:
-        name = getattr(policy, "__name__", "")
-        if name in _OUR_POLICY_FUNCTIONS:
-            return _OUR_POLICY_FUNCTIONS[name]
-        raise TypeError(f"Unsupported torch wrap policy function {name}")
+    if getattr(policy, "__module__", None) == _TORCH_WRAP_MODULE:  # a torch function or object
+        name = getattr(policy, "__name__", type(policy).__name__)
+        if name == "ModuleWrapPolicy":  # torch's objects are rebuilt from their FSDP1 attributes
+            return ModuleWrapPolicy(policy._module_classes)
+        if name == "CustomPolicy":
+            return CustomPolicy(policy._lambda_fn)
+        if name not in _POLICY_FUNCTIONS:
+            raise TypeError(f"torch's wrap policy {name} has no fsdp_compat counterpart; pass one of "
+                            f"ModuleWrapPolicy, CustomPolicy, {', '.join(_POLICY_FUNCTIONS)} instead")
+        return _POLICY_FUNCTIONS[name]
     if not callable(policy):
         raise TypeError(
             "auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable "
@@ -221,48 +197,37 @@ def plan_wrapping(
     this for mixed precision's ``_module_classes_to_ignore``, with ``mixed_precision=None``).
     """
     policy = translate_policy(policy)
+    root_kwargs = dict(root_kwargs, auto_wrap_policy=None)
     if isinstance(policy, _Policy):
-        targets = policy._run_policy(root_module, ignored_modules, dict(root_kwargs, auto_wrap_policy=None))
+        targets = policy._run_policy(root_module, ignored_modules, root_kwargs)
     else:
         if individually_wrapped_classes:
             # As FSDP1: OR the policy with one that wraps those classes, so that the traversal
             # reaches them and counts their parameters as wrapped when sizing their parents.
             policy = functools.partial(_or_policy, policies=[policy, functools.partial(
-                _wrap_module_classes_individually, module_classes=individually_wrapped_classes)])
-        targets = {}
-        _plan_recursive(root_module, policy, ignored_modules, ignored_params, root_kwargs, targets,
-                        is_root=True)
+                _wrap_module_cls_individually, module_classes=individually_wrapped_classes)])
+        chosen: list[nn.Module] = []
+        _plan_recursive(root_module, policy, ignored_modules, ignored_params, chosen, is_root=True)
+        targets = {module: dict(root_kwargs) for module in chosen}
     for module in root_module.modules():
         if individually_wrapped_classes and isinstance(module, individually_wrapped_classes) \
                 and module not in ignored_modules:
             targets.setdefault(module, dict(root_kwargs))["mixed_precision"] = None
     targets.pop(root_module, None)
-    for kwargs in targets.values():
-        kwargs["auto_wrap_policy"] = None
     return targets
 
 
-def _plan_recursive(
-    module: nn.Module,
-    policy: CallablePolicy,
-    ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter],
-    root_kwargs: dict[str, Any],
-    targets: dict[nn.Module, dict[str, Any]],
-    is_root: bool = False,
-) -> int:
+def _plan_recursive(module: nn.Module, policy: CallablePolicy, ignored_modules: set[nn.Module],
+                    ignored_params: set[nn.Parameter], chosen: list[nn.Module], is_root: bool = False) -> int:
     """FSDP1's ``_recursive_wrap`` without the wrapping: returns the numel this subtree wraps."""
     nonwrapped_numel = sum(p.numel() for p in module.parameters() if p not in ignored_params)
     if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped_numel):
         return 0
-    wrapped_numel = 0
-    for child in module.children():
-        if child not in ignored_modules:
-            wrapped_numel += _plan_recursive(child, policy, ignored_modules, ignored_params,
-                                             root_kwargs, targets)
+    wrapped_numel = sum(_plan_recursive(child, policy, ignored_modules, ignored_params, chosen)
+                        for child in module.children() if child not in ignored_modules)
     remainder = nonwrapped_numel - wrapped_numel
     if not is_root and policy(module=module, recurse=False, nonwrapped_numel=remainder):
-        targets[module] = dict(root_kwargs)
+        chosen.append(module)
         return nonwrapped_numel
     return wrapped_numel
 
@@ -299,29 +264,26 @@ def apply_wrapping(
 # ------------------------------------------------------------------------------------------------
 
 
-class _WrapContext:
-    active: bool = False
-    wrapper_cls: Callable[..., nn.Module] | None = None
-    kwargs: dict[str, Any] = {}
+# ``enable_wrap``'s ``(wrapper_cls, kwargs)`` while its context is open.
+_manual_wrap: tuple[Callable[..., nn.Module], dict[str, Any]] | None = None
 
 
 @contextlib.contextmanager
 def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Generator[None, None, None]:
     """Within this context, :func:`wrap` wraps modules with ``wrapper_cls(module, **wrapper_kwargs)``."""
-    if _WrapContext.active:
+    global _manual_wrap
+    if _manual_wrap is not None:
         raise RuntimeError("enable_wrap contexts cannot be nested; exit the outer one first")
-    _WrapContext.active, _WrapContext.wrapper_cls, _WrapContext.kwargs = True, wrapper_cls, wrapper_kwargs
+    _manual_wrap = (wrapper_cls, wrapper_kwargs)
     try:
         yield
     finally:
-        _WrapContext.active, _WrapContext.wrapper_cls, _WrapContext.kwargs = False, None, {}
+        _manual_wrap = None
 
 
 def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
     """Wrap ``module`` if inside :func:`enable_wrap`, with per-call overrides; else return it as is."""
-    if not _WrapContext.active:
+    if _manual_wrap is None:
         return module
-    assert _WrapContext.wrapper_cls is not None
-    kwargs = {**_WrapContext.kwargs, **wrap_overrides}
-    kwargs.update(getattr(module, "_wrap_overrides", {}))
-    return _WrapContext.wrapper_cls(module, **kwargs)
+    wrapper_cls, kwargs = _manual_wrap
+    return wrapper_cls(module, **{**kwargs, **wrap_overrides, **getattr(module, "_wrap_overrides", {})})
