@@ -110,25 +110,24 @@ except ImportError:  # pragma: no cover - depends on the torch version
     ShardedTensor = None  # type: ignore[assignment, misc]
 
 __all__ = [
+    "apply_engine",
     "BatchNormBase",
     "CPUOffloadPolicy",
-    "FSDPModule",
-    "GradScalerBase",
-    "IncompatibleKeys",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "ShardedTensor",
-    "apply_engine",
     "engine_module",
     "engine_state",
     "flatten_mesh",
+    "FSDPModule",
     "gradient_sync_flags",
+    "GradScalerBase",
+    "IncompatibleKeys",
     "install_comm_hook",
     "is_root_state_initialized",
     "iteration_in_progress",
     "local_shape_and_offset",
     "log_api_usage",
     "managed_params",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "param_groups",
     "recover_interrupted_iteration",
     "register_param",
@@ -138,7 +137,9 @@ __all__ = [
     "set_sharded_param_dtype",
     "sharded_params",
     "sharded_tensor_group",
+    "ShardedTensor",
     "sparse_values",
+    "torch_wrap_policy_argument",
     "unit_param_slots",
 ]
 
@@ -470,6 +471,12 @@ BatchNormBase = _BatchNorm
 
 # What ``nn.Module.load_state_dict`` returns (a named tuple of missing and unexpected keys).
 IncompatibleKeys = _IncompatibleKeys
+
+
+def torch_wrap_policy_argument(policy: Any) -> Any:
+    """What torch's FSDP1 ``ModuleWrapPolicy`` (its module classes) or ``CustomPolicy`` (its
+    lambda) was built with: torch keeps both only as private attributes."""
+    return policy._module_classes if hasattr(policy, "_module_classes") else policy._lambda_fn
 
 
 def log_api_usage(event: str) -> None:

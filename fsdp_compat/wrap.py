@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from . import _engine
+
 __all__ = [
     "always_wrap_policy",
     "lambda_auto_wrap_policy",
@@ -163,9 +165,9 @@ def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
     if getattr(policy, "__module__", None) == _TORCH_WRAP_MODULE:  # a torch function or object
         name = getattr(policy, "__name__", type(policy).__name__)
         if name == "ModuleWrapPolicy":  # torch's objects are rebuilt from their FSDP1 attributes
-            return ModuleWrapPolicy(policy._module_classes)
+            return ModuleWrapPolicy(_engine.torch_wrap_policy_argument(policy))
         if name == "CustomPolicy":
-            return CustomPolicy(policy._lambda_fn)
+            return CustomPolicy(_engine.torch_wrap_policy_argument(policy))
         if name not in _POLICY_FUNCTIONS:
             raise TypeError(f"torch's wrap policy {name} has no fsdp_compat counterpart; pass one of "
                             f"ModuleWrapPolicy, CustomPolicy, {', '.join(_POLICY_FUNCTIONS)} instead")
