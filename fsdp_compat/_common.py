@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import logging
 import warnings
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -11,7 +10,6 @@ FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
 CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
 
-logger = logging.getLogger("fsdp_compat")
 
 
 class TrainingState(enum.Enum):

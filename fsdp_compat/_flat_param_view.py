@@ -1,9 +1,8 @@
 """FSDP1's private ``FlatParameter`` names, given a meaning on a per-parameter engine unit.
 
-FSDP1 keeps each unit's parameters in one 1-D ``FlatParameter`` (``fsdp_module._flat_param``),
-owned by a ``FlatParamHandle`` (``fsdp_module._handle``), and says whether the unit has one with
-``fsdp_module._has_params``. Third-party code reads these private names. accelerate (1.x,
-``Accelerator.prepare_model``), with mixed precision on, runs::
+FSDP1 keeps each unit's parameters in one 1-D ``FlatParameter`` (``_flat_param``) owned by a
+``FlatParamHandle`` (``_handle``); ``_has_params`` says whether a unit has one. accelerate (1.x,
+``Accelerator.prepare_model``) with mixed precision reads them to upcast the master weights::
 
     for module in FSDP.fsdp_modules(model):
         if not module._has_params:
@@ -11,17 +10,14 @@ owned by a ``FlatParamHandle`` (``fsdp_module._handle``), and says whether the u
         param = module._flat_param
         if param.dtype != torch.float32 and param.device != torch.device("meta") and param.requires_grad:
             log(module.module.__class__.__name__, ", ".join(module._flat_param._fqns))
-            param.data = param.data.to(torch.float32)          # upcast the master weights
+            param.data = param.data.to(torch.float32)
             module._handle._orig_param_dtype = torch.float32
 
-The engine has no flat parameter. :class:`FlatParamView` presents the unit's *local shards* as
-one: its ``data`` is their concatenation (a copy), ``dtype`` / ``device`` / ``requires_grad``
-summarise them, and ``_fqns`` names them as FSDP1 does. The two writes that clients make are
-honoured: assigning ``data`` copies the values back into the shards (re-typing them when the
-dtype changes), and assigning ``_handle._orig_param_dtype`` re-types them. So the loop above
-upcasts a low-precision model's sharded master weights to fp32, as it does under FSDP1, while
-``MixedPrecision.param_dtype`` still decides the compute dtype. Like FSDP1 (whose lazy
-initialisation freezes the handle), re-typing is only possible before the first forward.
+:class:`FlatParamView` presents the unit's *local shards* as one flat parameter (``data`` is
+their concatenation, a copy); both writes are honoured (``data`` is copied back into the shards,
+re-typing them; ``_orig_param_dtype`` re-types them), so the loop upcasts as under FSDP1 while
+``MixedPrecision.param_dtype`` still decides the compute dtype. As in FSDP1, only before the
+first forward.
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ _FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
 _LOW_PRECISION_GRAD_MARK = "_fsdp_compat_low_precision_grad_dtype"
 
 
-
 def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy:
     """The engine's policy for FSDP1's ``MixedPrecision`` (parameter and reduction dtypes).
 
@@ -126,7 +125,6 @@ def _cast_and_record(module: nn.Module, dtype: torch.dtype, tensor: torch.Tensor
     return tensor.to(dtype)
 
 
-
 def init_unit(unit: UnitState) -> None:
     """Per-unit set-up after the engine is applied."""
     _install_low_precision_grad_hooks(unit)
@@ -154,7 +152,6 @@ def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, .
     if policy is None or policy.param_dtype is None or not policy.cast_root_forward_inputs:
         return args, kwargs
     return cast_floating_tensors(args, policy.param_dtype), cast_floating_tensors(kwargs, policy.param_dtype)
-
 
 
 @torch.no_grad()
@@ -196,7 +193,6 @@ def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
     return restored
 
 
-
 def _install_low_precision_grad_hooks(unit: UnitState) -> None:
     """With ``keep_low_precision_grads``, make the unit's gradients ``param_dtype`` after backward.
 
@@ -223,7 +219,6 @@ def _install_low_precision_grad_hooks(unit: UnitState) -> None:
 def _cast_grad(param: torch.Tensor, dtype: torch.dtype) -> None:
     if param.grad is not None and param.grad.dtype != dtype:
         param.grad = param.grad.to(dtype)
-
 
 
 def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:

@@ -33,7 +33,6 @@ from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy
 
 
-
 def root_pre_forward(root: UnitState, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     units = units_in(root.wrapper)  # walked once per step, shared by the steps below
@@ -70,7 +69,6 @@ def _configure_forward_prefetch(forward_order: list[UnitState]) -> None:
     for current, following in zip(units, units[1:]):
         if current.forward_prefetch:
             current.module.set_modules_to_forward_prefetch([following.module])
-
 
 
 @contextlib.contextmanager
@@ -350,7 +348,6 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             _unsummon(item, writeback, with_grads)
         for unit in units:
             unit.training_state = TrainingState.IDLE
-
 
 
 def _check_comm_hook(root: UnitState, units: list[UnitState], hook: Any) -> None:

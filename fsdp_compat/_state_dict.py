@@ -39,20 +39,9 @@ from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, eff
 from ._state_dict_load import load_state_dict
 from ._tensor_layout import shard_like
 from ._unit_state import UnitState, units_in
-from .api import (
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    OptimStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-    coerce_config,
-    coerce_enum,
-)
+from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
+                  OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
+                  StateDictSettings, StateDictType, coerce_config, coerce_enum)
 
 __all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type", "state_dict"]
 
@@ -61,7 +50,6 @@ _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
 }
-
 
 
 def set_state_dict_type(
@@ -154,7 +142,6 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
             raise AssertionError(f"All FSDP modules must have the same state dict settings. "
                                  f"Got {current} and {settings}.")
     return settings  # type: ignore[return-value]
-
 
 
 def state_dict(root: UnitState, *args: Any, destination: Any = None,

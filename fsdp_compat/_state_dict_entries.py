@@ -118,8 +118,13 @@ def check_not_in_iteration(unit: UnitState, what: str) -> None:
 
 
 def effective_settings(unit: UnitState) -> tuple[StateDictType, StateDictConfig]:
-    """The wrapper's type and config, or what ``torch.distributed.checkpoint.state_dict`` asks for."""
-    options = distributed_checkpoint_options()
+    """The wrapper's type and config, or what ``torch.distributed.checkpoint.state_dict`` asks for.
+
+    torch gives FSDP1 modules SHARDED or FULL state dicts from a ``get_state_dict`` / ``set_state_dict``
+    call's options by setting their state-dict type first; it does not know our class, so the adapter
+    publishes the options while torch runs the model's ``state_dict`` / ``load_state_dict``.
+    """
+    options = _engine.distributed_checkpoint_request()
     if options is None:
         return unit.state_dict_type, unit.state_dict_config
     # The same mapping torch applies to FSDP1 modules in ``_verify_options``.
@@ -129,19 +134,8 @@ def effective_settings(unit: UnitState) -> tuple[StateDictType, StateDictConfig]
     return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
 
 
-def distributed_checkpoint_options() -> Any | None:
-    """The options of a ``get_state_dict`` / ``set_state_dict`` (torch.distributed.checkpoint)
-    call that is asking this wrapper for its state, if that is why we run.
-
-    torch gives FSDP1 modules SHARDED or FULL state dicts from those options by setting their
-    state-dict type first; it does not know our class, so the adapter publishes the options
-    while torch runs the model's ``state_dict`` / ``load_state_dict`` (see ``_engine``).
-    """
-    return _engine.distributed_checkpoint_request()
-
-
 def entry_settings(entry: Entry, requested: StateDictType,
-                    config: StateDictConfig) -> tuple[StateDictType, StateDictConfig]:
+                   config: StateDictConfig) -> tuple[StateDictType, StateDictConfig]:
     """FSDP1 gives a ``NO_SHARD`` unit's states as FULL with the default config, whatever was set."""
     if entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD:
         return requested, config

@@ -28,13 +28,7 @@ from ._collectives import all_ranks_agree, broadcast_object, mesh_groups, ranks_
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._full_tensors import sharded_tensor_local_piece
-from ._state_dict_entries import (
-    Entry,
-    check_not_in_iteration,
-    distributed_checkpoint_options,
-    effective_settings,
-    entries_of,
-)
+from ._state_dict_entries import (Entry, check_not_in_iteration, effective_settings, entries_of)
 from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, to_full
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
@@ -194,7 +188,7 @@ def _as_tensor_if_tensor_like(value: Any) -> Any:
 def _as_given_by_distributed_checkpoint(root: UnitState, state_dict: Mapping[str, Any],
                                         entries: list[Entry]) -> Mapping[str, Any]:
     """What ``set_state_dict`` (torch.distributed.checkpoint) means by the dict it passes us."""
-    options = distributed_checkpoint_options()
+    options = _engine.distributed_checkpoint_request()
     if options is None:
         return state_dict
     state_dict = _without_own_tensors(state_dict, entries)

@@ -28,6 +28,8 @@ STATE_ATTR = "_fsdp_compat_state"
 
 @dataclasses.dataclass(slots=True, eq=False)
 class UnitState:
+    """One wrapper's state, as FSDP2's ``FSDPState`` is one ``fully_shard`` unit's."""
+
     wrapper: nn.Module  # the FullyShardedDataParallel instance: its tree's names carry the prefixes
     sharding_strategy: ShardingStrategy
     cpu_offload: CPUOffload
@@ -35,7 +37,7 @@ class UnitState:
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
-    use_orig_params: bool  # only read by the FSDP1 checkpoint formats: parameters are always the originals
+    use_orig_params: bool  # decides only FSDP1 checkpoint layouts: parameters are always the originals
     sync_module_states: bool
     ignored_modules: set[nn.Module]
     ignored_params: set[nn.Parameter]

@@ -21,33 +21,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _orig_params, _runtime, _state_dict
 from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, clean_name, warn_once
-from ._init_utils import (
-    MetaMaterializer,
-    broadcast_from_rank0,
-    check_container_has_no_own_params,
-    check_module,
-    check_not_shared_with_another_root,
-    is_forwardless_container,
-    remember_sharded,
-    resolve_ignored_states,
-)
+from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_container_has_no_own_params, check_module,
+                          check_not_shared_with_another_root, is_forwardless_container, remember_sharded,
+                          resolve_ignored_states)
 from ._mesh import build_mesh, resolve_device
 from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
 from ._unit_state import STATE_ATTR, UnitState, state_of, units_in
-from .api import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    OptimStateDictConfig,
-    OptimStateKeyType,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-    coerce_enum,
-    coerce_optional_config,
-)
+from .api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
+                  ShardingStrategy, StateDictConfig, StateDictType, coerce_enum, coerce_optional_config)
 from .wrap import apply_wrapping, plan_wrapping
 
 # OptimStateKeyType is re-exported: FSDP1 users import it from this module too.
@@ -288,22 +270,8 @@ class FullyShardedDataParallel(nn.Module):
                 unit.order_recorder = None
             return self._fsdp_wrapped_module(*args, **kwargs)
 
-
-    @staticmethod
-    def set_state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> StateDictSettings:
-        """Set the state-dict type of every instance in ``module``; returns the previous settings."""
-        return _state_dict.set_state_dict_type(module, state_dict_type, state_dict_config,
-                                               optim_state_dict_config)
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The state-dict settings of ``module``'s instances; raises if they disagree."""
-        return _state_dict.get_state_dict_type(module)
+    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
+    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
 
     @staticmethod
     @contextlib.contextmanager
@@ -314,8 +282,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Generator[None, None, None]:
         """Context manager form of :meth:`set_state_dict_type`; restores the previous settings."""
-        previous = FullyShardedDataParallel.set_state_dict_type(
-            module, state_dict_type, state_dict_config, optim_state_dict_config)
+        previous = _state_dict.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                                   optim_state_dict_config)
         try:
             yield
         finally:
@@ -331,20 +299,7 @@ class FullyShardedDataParallel(nn.Module):
         """Load a state dict of the current type; on any error the model is left unchanged."""
         return _state_dict.load_state_dict(self._unit, state_dict, strict=strict, assign=assign)
 
-
-    @staticmethod
-    def summon_full_params(
-        module: nn.Module,
-        recurse: bool = True,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        with_grads: bool = False,
-    ) -> contextlib.AbstractContextManager[None]:
-        """Expose full (unsharded) parameters on the original modules inside the context."""
-        return _runtime.summon_full_params(module, recurse=recurse, writeback=writeback,
-                                           rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-                                           with_grads=with_grads)
+    summon_full_params = staticmethod(_runtime.summon_full_params)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally, without communication, inside the context (root only)."""
@@ -358,7 +313,6 @@ class FullyShardedDataParallel(nn.Module):
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Register a gradient communication hook on every unit of this root."""
         _runtime.register_comm_hook(self._unit, state, hook)
-
 
     full_optim_state_dict = staticmethod(_optim_state.full_optim_state_dict)
     sharded_optim_state_dict = staticmethod(_optim_state.sharded_optim_state_dict)
