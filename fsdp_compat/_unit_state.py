@@ -87,8 +87,8 @@ def units_in(module: nn.Module) -> list[UnitState]:
     return [state for sub in module.modules() if (state := state_of(sub)) is not None]
 
 
-def wrappers_in(module: nn.Module) -> list[nn.Module]:
-    """Every wrapper in ``module`` (itself included), pre-order."""
+def wrappers_in(module: nn.Module) -> list[Any]:
+    """Every wrapper in ``module`` (itself included), pre-order (typed ``Any``: FSDP1's attributes)."""
     return [unit.wrapper for unit in units_in(module)]
 
 
