@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import enum
-import logging
 import warnings
-from typing import Any
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
 CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
 
-logger = logging.getLogger("fsdp_compat")
 
 
 class TrainingState(enum.Enum):
@@ -23,16 +20,14 @@ class TrainingState(enum.Enum):
     SUMMON_FULL_PARAMS = enum.auto()
 
 
-def wrappers_in(module: Any) -> list[Any]:
-    """Every ``FullyShardedDataParallel`` in ``module`` (itself included), pre-order."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel  # that module imports this one
-
-    return FullyShardedDataParallel.fsdp_modules(module)
-
-
 def clean_name(name: str) -> str:
     """An FQN without the wrapper prefixes: what FSDP1 puts in state dicts and optimizer states."""
     return name.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
+
+
+def clean_module_path(path: str) -> str:
+    """A module path (``named_modules``) without the wrapper segments."""
+    return ".".join(s for s in path.split(".") if s not in (FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE))
 
 
 _warned: set[str] = set()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,15 +41,10 @@ from torch.distributed.tensor import DTensor
 
 from . import _engine
 from ._collectives import communication_device
-from ._common import wrappers_in
-from ._state_dict_entries import _clean_module_path, _Entry
+from ._state_dict_entries import Entry
 from ._tensor_layout import shard_like
+from ._unit_state import UnitState, state_of, units_with_paths
 from .api import ShardingStrategy
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-__all__ = ["FLAT_PARAM", "FlatUnit", "holds_flat_params", "misfit_message", "plan", "unflatten"]
 
 FLAT_PARAM = "_flat_param"
 _ALIGNMENT_BYTES = 16  # FSDP1's address alignment under use_orig_params=True (for TorchInductor)
@@ -80,15 +75,15 @@ def _is_flat_key(key: str) -> bool:
     return key == FLAT_PARAM or key.endswith("." + FLAT_PARAM)
 
 
-def plan(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any]) -> tuple[list[FlatUnit], list[str]]:
+def plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[FlatUnit], list[str]]:
     """Each unit's flat parameter matched against this model's layout, and what does not match.
 
-    Local: no communication. Every unit of ``wrapper`` with sharded parameters needs its flat
+    Local: no communication. Every unit of ``root`` with sharded parameters needs its flat
     parameter, laid out as this model's unit would be by FSDP1 at this world size.
     """
     units, errors = [], []
     expected_keys = set()
-    for path, unit in _units_with_paths(wrapper):
+    for path, unit in units_with_paths(root.wrapper):
         slots = _engine.unit_param_slots(unit.module)
         if not slots or unit.sharding_strategy == ShardingStrategy.NO_SHARD:
             continue  # NO_SHARD: FSDP1 saved the parameters one by one, in full (the usual path)
@@ -122,18 +117,11 @@ def misfit_message(errors: list[str], failed_ranks: list[int]) -> str:
             + "\n" + _WHAT_TO_DO)
 
 
-def _units_with_paths(wrapper: FullyShardedDataParallel) -> list[tuple[str, FullyShardedDataParallel]]:
-    """Each unit inside ``wrapper`` (itself included) with its clean module path, pre-order."""
-    units = {id(unit) for unit in wrappers_in(wrapper)}
-    return [(_clean_module_path(path), module) for path, module in wrapper.named_modules()
-            if id(module) in units]
-
-
 def _unit_name(path: str) -> str:
     return f"unit {path!r}" if path else "the root unit"
 
 
-def _match(unit: FullyShardedDataParallel, params: list[DTensor], path: str, key: str,
+def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
            value: Any) -> tuple[FlatUnit | None, str]:
     """The unit's layout that the checkpoint's flat parameter has, or why none fits."""
     if not (hasattr(value, "local_shards") and hasattr(value, "metadata")):  # ShardedTensor's API
@@ -154,13 +142,12 @@ def _match(unit: FullyShardedDataParallel, params: list[DTensor], path: str, key
     return None, _mismatch(key, path, value, own_total, world_size)
 
 
-def _in_fsdp1_order(unit: FullyShardedDataParallel, slots: list[tuple[nn.Parameter, list[_engine.ParamSlot]]]
+def _in_fsdp1_order(unit: UnitState, slots: list[tuple[nn.Parameter, list[_engine.ParamSlot]]]
                     ) -> list[DTensor]:
     """The unit's sharded parameters in FSDP1's flattening order: pre-order over the unit's
     modules (nested units' subtrees hold none of them), each parameter at its first slot."""
     by_slot = {(id(module), name): sharded for sharded, owners in slots for module, name in owners}
     ordered: dict[int, DTensor] = {}
-    wrapper_class = type(unit)
 
     def visit(module: nn.Module) -> None:
         for name, _ in module.named_parameters(recurse=False, remove_duplicate=False):
@@ -168,7 +155,7 @@ def _in_fsdp1_order(unit: FullyShardedDataParallel, slots: list[tuple[nn.Paramet
             if sharded is not None:
                 ordered.setdefault(id(sharded), sharded)
         for child in module.children():
-            if not isinstance(child, wrapper_class):
+            if state_of(child) is None:
                 visit(child)
 
     visit(unit.module)
@@ -177,13 +164,13 @@ def _in_fsdp1_order(unit: FullyShardedDataParallel, slots: list[tuple[nn.Paramet
     return list(ordered.values())
 
 
-def _alignments(unit: FullyShardedDataParallel, params: list[DTensor]) -> list[int]:
+def _alignments(unit: UnitState, params: list[DTensor]) -> list[int]:
     """Candidate alignment paddings (elements; 0: none), this wrapper's own setting first."""
     policy = unit.mixed_precision
     compute_dtype = policy.param_dtype if policy is not None and policy.param_dtype is not None \
         else params[0].dtype
     aligned = [_ALIGNMENT_BYTES // size for size in (compute_dtype.itemsize, 2, 4, 1, 8)]
-    candidates = [aligned[0], 0] if unit._use_orig_params else [0, aligned[0]]
+    candidates = [aligned[0], 0] if unit.use_orig_params else [0, aligned[0]]
     return list(dict.fromkeys(candidates + aligned[1:]))
 
 
@@ -226,7 +213,7 @@ def _mismatch(key: str, path: str, value: Any, total: int, world_size: int) -> s
 
 
 @torch.no_grad()
-def unflatten(units: list[FlatUnit], state_dict: Mapping[str, Any], entries: list[_Entry]) -> dict[str, Any]:
+def unflatten(units: list[FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
     """``state_dict`` with each flat parameter replaced by its parameters, as DTensors laid out as
     the engine's (every key that names one, tied weights included). FSDP1's per-parameter views
     of flat units are dropped. A collective: every rank of the units' groups calls, same units."""

@@ -1,9 +1,8 @@
 """FSDP1's private ``FlatParameter`` names, given a meaning on a per-parameter engine unit.
 
-FSDP1 keeps each unit's parameters in one 1-D ``FlatParameter`` (``fsdp_module._flat_param``),
-owned by a ``FlatParamHandle`` (``fsdp_module._handle``), and says whether the unit has one with
-``fsdp_module._has_params``. Third-party code reads these private names. accelerate (1.x,
-``Accelerator.prepare_model``), with mixed precision on, runs::
+FSDP1 keeps each unit's parameters in one 1-D ``FlatParameter`` (``_flat_param``) owned by a
+``FlatParamHandle`` (``_handle``); ``_has_params`` says whether a unit has one. accelerate (1.x,
+``Accelerator.prepare_model``) with mixed precision reads them to upcast the master weights::
 
     for module in FSDP.fsdp_modules(model):
         if not module._has_params:
@@ -11,43 +10,34 @@ owned by a ``FlatParamHandle`` (``fsdp_module._handle``), and says whether the u
         param = module._flat_param
         if param.dtype != torch.float32 and param.device != torch.device("meta") and param.requires_grad:
             log(module.module.__class__.__name__, ", ".join(module._flat_param._fqns))
-            param.data = param.data.to(torch.float32)          # upcast the master weights
+            param.data = param.data.to(torch.float32)
             module._handle._orig_param_dtype = torch.float32
 
-The engine has no flat parameter. :class:`FlatParamView` presents the unit's *local shards* as
-one: its ``data`` is their concatenation (a copy), ``dtype`` / ``device`` / ``requires_grad``
-summarise them, and ``_fqns`` names them as FSDP1 does. The two writes that clients make are
-honoured: assigning ``data`` copies the values back into the shards (re-typing them when the
-dtype changes), and assigning ``_handle._orig_param_dtype`` re-types them. So the loop above
-upcasts a low-precision model's sharded master weights to fp32, as it does under FSDP1, while
-``MixedPrecision.param_dtype`` still decides the compute dtype. Like FSDP1 (whose lazy
-initialisation freezes the handle), re-typing is only possible before the first forward.
+:class:`FlatParamView` presents the unit's *local shards* as one flat parameter (``data`` is
+their concatenation, a copy); both writes are honoured (``data`` is copied back into the shards,
+re-typing them; ``_orig_param_dtype`` re-types them), so the loop upcasts as under FSDP1 while
+``MixedPrecision.param_dtype`` still decides the compute dtype. As in FSDP1, only before the
+first forward.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from . import _engine
 from ._common import clean_name
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-__all__ = ["FlatParamView", "HandleView", "flat_param", "handle", "has_params"]
+from ._unit_state import UnitState
 
 
 class FlatParamView:
     """A read-mostly stand-in for FSDP1's ``FlatParameter`` of one unit (see module docstring)."""
 
-    def __init__(self, wrapper: FullyShardedDataParallel) -> None:
-        self._wrapper = wrapper
+    def __init__(self, unit: UnitState) -> None:
+        self._unit = unit
 
     def _params(self) -> list[nn.Parameter]:
-        return _engine.sharded_params(self._wrapper.module)
+        return _engine.sharded_params(self._unit.module)
 
     def _local_shards(self) -> list[torch.Tensor]:
         return [param.to_local() for param in self._params()]
@@ -79,7 +69,7 @@ class FlatParamView:
         """Names of the unit's parameters relative to the wrapped module, without wrapper
         prefixes, each shared parameter once, nested units' parameters excluded: as FSDP1."""
         owned = {id(param) for param in self._params()}
-        return [clean_name(name) for name, param in self._wrapper.module.named_parameters()
+        return [clean_name(name) for name, param in self._unit.module.named_parameters()
                 if id(param) in owned]
 
     @property
@@ -98,7 +88,7 @@ class FlatParamView:
                 f"{tuple(value.shape)}"
             )
         if value.is_floating_point() and value.dtype != self.dtype:
-            _set_param_dtype(self._wrapper, value.dtype)
+            _set_param_dtype(self._unit, value.dtype)
         with torch.no_grad():
             offset = 0
             for shard in self._local_shards():
@@ -115,20 +105,13 @@ class FlatParamView:
         """Elements in this rank's shards of the unit's parameters."""
         return sum(shard.numel() for shard in self._local_shards())
 
-    def size(self) -> torch.Size:
-        return self.shape
-
-    def __repr__(self) -> str:
-        return (f"FlatParamView(unit={type(self._wrapper.module).__name__}, numel={self.numel()}, "
-                f"dtype={self.dtype}, device={self.device})")
-
 
 class HandleView:
-    """A stand-in for FSDP1's ``FlatParamHandle`` of one unit: its flat parameter and dtypes."""
+    """A stand-in for FSDP1's ``FlatParamHandle`` of one unit: its flat parameter and master dtype."""
 
-    def __init__(self, wrapper: FullyShardedDataParallel) -> None:
-        self._wrapper = wrapper
-        self.flat_param = FlatParamView(wrapper)
+    def __init__(self, unit: UnitState) -> None:
+        self._unit = unit
+        self.flat_param = FlatParamView(unit)
 
     @property
     def _orig_param_dtype(self) -> torch.dtype:
@@ -137,73 +120,38 @@ class HandleView:
 
     @_orig_param_dtype.setter
     def _orig_param_dtype(self, dtype: torch.dtype) -> None:
-        _set_param_dtype(self._wrapper, dtype)
-
-    @property
-    def _fwd_bwd_param_dtype(self) -> torch.dtype:
-        """The dtype of forward/backward compute: ``param_dtype``, else the original dtype."""
-        policy = self._wrapper.mixed_precision
-        return (policy.param_dtype if policy is not None and policy.param_dtype is not None
-                else self._orig_param_dtype)
-
-    @property
-    def _reduce_dtype(self) -> torch.dtype:
-        """The gradient-reduction dtype: ``reduce_dtype``, else ``param_dtype``, else original."""
-        policy = self._wrapper.mixed_precision
-        if policy is not None and policy.reduce_dtype is not None:
-            return policy.reduce_dtype
-        return self._fwd_bwd_param_dtype
-
-    @property
-    def _keep_low_precision_grads(self) -> bool:
-        policy = self._wrapper.mixed_precision
-        return bool(policy is not None and policy.keep_low_precision_grads)
-
-    @property
-    def _offload_params(self) -> bool:
-        return bool(self._wrapper.cpu_offload.offload_params)
-
-    @property
-    def _use_orig_params(self) -> bool:
-        return self._wrapper._use_orig_params
-
-    @property
-    def _fully_sharded_module(self) -> nn.Module:
-        return self._wrapper.module
+        _set_param_dtype(self._unit, dtype)
 
 
-def _set_param_dtype(wrapper: FullyShardedDataParallel, dtype: torch.dtype) -> None:
+def _set_param_dtype(unit: UnitState, dtype: torch.dtype) -> None:
     if not dtype.is_floating_point:
         raise ValueError(f"The flat parameter can only be re-typed to a floating-point dtype, "
                          f"not {dtype}")
-    if all(param.dtype == dtype for param in _engine.sharded_params(wrapper.module)):
+    if all(param.dtype == dtype for param in _engine.sharded_params(unit.module)):
         return
-    if _engine.is_root_state_initialized(wrapper.module):
+    if _engine.is_root_state_initialized(unit.module):
         raise RuntimeError(
             "Cannot change the parameter dtype of an FSDP unit after its first forward (FSDP1 "
             "fixes it at lazy initialisation too); change it right after wrapping"
         )
-    _engine.set_sharded_param_dtype(wrapper.module, dtype)
+    _engine.set_sharded_param_dtype(unit.module, dtype)
 
 
-def _cached_handle(wrapper: FullyShardedDataParallel) -> HandleView:
-    handle_view = wrapper.__dict__.get("_fsdp_compat_handle_view")
-    if handle_view is None:
-        handle_view = HandleView(wrapper)
-        wrapper.__dict__["_fsdp_compat_handle_view"] = handle_view
-    return handle_view
-
-
-def has_params(wrapper: FullyShardedDataParallel) -> bool:
+def has_params(unit: UnitState) -> bool:
     """FSDP1's ``_has_params``: whether this unit manages any parameter of its own."""
-    return bool(_engine.sharded_params(wrapper.module))
+    return bool(_engine.sharded_params(unit.module))
 
 
-def handle(wrapper: FullyShardedDataParallel) -> HandleView | None:
+def handle(unit: UnitState) -> HandleView | None:
     """FSDP1's ``_handle``: ``None`` for a unit without parameters, as in FSDP1."""
-    return _cached_handle(wrapper) if has_params(wrapper) else None
+    if not has_params(unit):
+        return None
+    if unit.handle_view is None:
+        unit.handle_view = HandleView(unit)
+    return unit.handle_view
 
 
-def flat_param(wrapper: FullyShardedDataParallel) -> FlatParamView | None:
+def flat_param(unit: UnitState) -> FlatParamView | None:
     """FSDP1's ``_flat_param``: ``None`` for a unit without parameters, as in FSDP1."""
-    return _cached_handle(wrapper).flat_param if has_params(wrapper) else None
+    view = handle(unit)
+    return view.flat_param if view is not None else None

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _engine
+from ._unit_state import state_of
 
 
 def check_module(module: Any) -> None:
@@ -45,12 +46,11 @@ def _sharded_by_a_unit(param: nn.Parameter) -> bool:
     return unit is not None and any(sharded is param for sharded in _engine.sharded_params(unit))
 
 
-def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn.Parameter],
-                                       wrapper_class: type) -> None:
+def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn.Parameter]) -> None:
     """Refuse, before anything is touched, a parameter already sharded by another root's unit:
     the engine would take its ``DTensor`` for a tensor-parallel one and fail deep inside.
     Parameters of units nested in ``module`` (manual nesting) are this root's own."""
-    nested = {id(param) for sub in module.modules() if isinstance(sub, wrapper_class) for param in sub.parameters()}
+    nested = {id(param) for sub in module.modules() if state_of(sub) is not None for param in sub.parameters()}
     for name, param in module.named_parameters():
         if id(param) not in nested and _sharded_by_a_unit(param) and param not in ignored_params:
             raise ValueError(
@@ -81,7 +81,6 @@ def resolve_ignored_states(
     module: nn.Module,
     ignored_modules: Iterable[nn.Module] | None,
     ignored_states: Iterable[nn.Parameter | nn.Module] | None,
-    wrapper_class: type,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """The ignored modules and the full set of ignored parameters, validated as FSDP1 does."""
     if ignored_modules is not None and ignored_states is not None:
@@ -107,7 +106,7 @@ def resolve_ignored_states(
                                  "pass only parameters of the module being wrapped")
             params.add(state)
             continue
-        if isinstance(state, wrapper_class):
+        if state_of(state) is not None:
             raise ValueError("ignored_modules should not include FullyShardedDataParallel instances")
         if state not in inside_modules:
             raise ValueError(f"Ignored module {type(state).__name__} is not a submodule of the "
@@ -129,13 +128,9 @@ def unit_modules(root: nn.Module, ignored_modules: set[nn.Module], breadth_first
         module = pending.pop(0) if breadth_first else pending.pop()
         order.append(module)
         children = [child for child in module.children()
-                    if child not in ignored_modules and not _is_wrapper(child)]
+                    if child not in ignored_modules and state_of(child) is None]
         pending.extend(children if breadth_first else reversed(children))
     return order
-
-
-def _is_wrapper(module: nn.Module) -> bool:
-    return hasattr(module, "_fsdp_wrapped_module")
 
 
 class MetaMaterializer:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .fully_sharded_data_parallel import FullyShardedDataParallel
+from ._unit_state import state_of
 
 # The module defining the check, under both of Lightning's package names.
 MODULE_NAMES = ("lightning.fabric.strategies.model_parallel", "lightning_fabric.strategies.model_parallel")
@@ -59,8 +59,7 @@ def _patch_module(module: ModuleType) -> None:
         return  # a Lightning version without the check, or patched already
 
     def has_dtensor_modules(candidate: object) -> bool:
-        if isinstance(candidate, nn.Module) and any(
-                isinstance(m, FullyShardedDataParallel) for m in candidate.modules()):
+        if isinstance(candidate, nn.Module) and any(state_of(m) is not None for m in candidate.modules()):
             return False  # FSDP1's API and names: Lightning's FSDP1 branch is the right one
         return original(candidate)
 

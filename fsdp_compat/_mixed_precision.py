@@ -24,7 +24,7 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,21 +33,8 @@ from torch.nn.utils.rnn import PackedSequence
 from . import _engine
 from ._common import clean_name, warn_once
 from ._engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._unit_state import UnitState, units_with_paths
 from .api import CPUOffload, MixedPrecision
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-__all__ = [
-    "cast_floating_tensors",
-    "cast_root_forward_inputs",
-    "engine_offload_policy",
-    "engine_policy",
-    "init_unit",
-    "original_buffer_dtypes",
-    "prepare_individually_wrapped",
-    "root_pre_forward",
-]
 
 # FSDP1's switch for running eval-mode forwards in full precision; the engine fixes the compute
 # dtype of a unit at its first all-gather, so we can only say that it is not honoured.
@@ -55,11 +42,6 @@ _FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
 # Marks a sharded parameter whose gradients are kept in low precision (and in which dtype). It is
 # a Python attribute of the parameter, like its hooks, so a tensor swap removes both together.
 _LOW_PRECISION_GRAD_MARK = "_fsdp_compat_low_precision_grad_dtype"
-
-
-# ---------------------------------------------------------------------------------------------
-# Engine policies
-# ---------------------------------------------------------------------------------------------
 
 
 def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy:
@@ -85,10 +67,6 @@ def engine_offload_policy(cpu_offload: CPUOffload, device: torch.device) -> Offl
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
-
-# ---------------------------------------------------------------------------------------------
-# _module_classes_to_ignore (FSDP1's "mixed precision override" for e.g. batch norm)
-# ---------------------------------------------------------------------------------------------
 
 # Input dtype of each overridden module's last forward, to cast its outputs back (as FSDP1).
 _input_dtype_of: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
@@ -147,29 +125,17 @@ def _cast_and_record(module: nn.Module, dtype: torch.dtype, tensor: torch.Tensor
     return tensor.to(dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-unit set-up and the root's pre-forward
-# ---------------------------------------------------------------------------------------------
-
-
-def init_unit(wrapper: FullyShardedDataParallel) -> None:
-    """Per-unit set-up after the engine is applied: original buffer dtypes, low-precision grads."""
-    # FSDP1 records this per unit, with clean names relative to the unit, before any cast.
-    wrapper._buffer_name_to_orig_dtype = {
-        clean_name(name): buffer.dtype for name, buffer in wrapper.named_buffers()
-    }
-    wrapper._buffers_cast_for_computation = False
-    _install_low_precision_grad_hooks(wrapper)
-    if os.environ.get(_FULL_PRECISION_IN_EVAL_ENV) == "1" and wrapper.mixed_precision is not None:
+def init_unit(unit: UnitState) -> None:
+    """Per-unit set-up after the engine is applied."""
+    _install_low_precision_grad_hooks(unit)
+    if os.environ.get(_FULL_PRECISION_IN_EVAL_ENV) == "1" and unit.mixed_precision is not None:
         warn_once(_FULL_PRECISION_IN_EVAL_ENV, f"{_FULL_PRECISION_IN_EVAL_ENV}=1 is not honoured: "
                   "eval-mode forwards run in MixedPrecision.param_dtype like training ones "
                   "(see README, 'Mixed precision and CPU offload').")
 
 
-def root_pre_forward(
-    wrapper: FullyShardedDataParallel, units: list[FullyShardedDataParallel],
-    args: tuple[Any, ...], kwargs: dict[str, Any],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """What FSDP1's root does for mixed precision before each forward.
 
     The first time, buffers get their computation dtype (FSDP1's lazy initialisation); every
@@ -177,31 +143,19 @@ def root_pre_forward(
     flat-parameter upcast swap fresh contents into the parameters, and the hooks leave with the
     old ones) and the root's floating-point inputs are cast.
     """
-    if not wrapper._buffers_cast_for_computation:
+    if not root.buffers_cast_for_computation:
         _cast_buffers_for_computation(units)
-        wrapper._buffers_cast_for_computation = True
+        root.buffers_cast_for_computation = True
     for unit in units:
         _install_low_precision_grad_hooks(unit)
-    return cast_root_forward_inputs(wrapper, args, kwargs)
-
-
-def cast_root_forward_inputs(
-    wrapper: FullyShardedDataParallel, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """FSDP1's ``cast_root_forward_inputs``: the root casts its inputs to ``param_dtype``."""
-    policy = wrapper.mixed_precision
+    policy = root.mixed_precision  # FSDP1's cast_root_forward_inputs: to param_dtype, at the root
     if policy is None or policy.param_dtype is None or not policy.cast_root_forward_inputs:
         return args, kwargs
     return cast_floating_tensors(args, policy.param_dtype), cast_floating_tensors(kwargs, policy.param_dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# buffer_dtype
-# ---------------------------------------------------------------------------------------------
-
-
 @torch.no_grad()
-def _cast_buffers_for_computation(units: list[FullyShardedDataParallel]) -> None:
+def _cast_buffers_for_computation(units: list[UnitState]) -> None:
     """Cast each floating-point buffer to the ``buffer_dtype`` of the innermost unit holding it.
 
     ``units`` is in pre-order; walking it backwards visits inner units first, so the owning
@@ -211,8 +165,8 @@ def _cast_buffers_for_computation(units: list[FullyShardedDataParallel]) -> None
     visited: set[int] = set()
     for unit in reversed(units):
         dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
-        ignored = {id(buffer) for module in unit._ignored_modules for buffer in module.buffers(recurse=False)}
-        for buffer in unit.buffers():
+        ignored = {id(buffer) for module in unit.ignored_modules for buffer in module.buffers(recurse=False)}
+        for buffer in unit.wrapper.buffers():
             if id(buffer) in visited:
                 continue
             visited.add(id(buffer))
@@ -220,39 +174,26 @@ def _cast_buffers_for_computation(units: list[FullyShardedDataParallel]) -> None
                 buffer.data = buffer.to(dtype)
 
 
-def original_buffer_dtypes(wrapper: FullyShardedDataParallel) -> dict[str, torch.dtype]:
-    """Clean buffer FQN (relative to ``wrapper``) -> dtype to restore in FULL / SHARDED state dicts.
+def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
+    """Clean buffer FQN (relative to ``root``) -> dtype to restore in FULL / SHARDED state dicts.
 
     FSDP1 restores a buffer's original dtype in those state dicts when buffer mixed precision is
     enabled for a unit whose subtree holds it (it clones the buffer first: the live buffer stays
     in ``buffer_dtype``). Buffers of ignored modules are not listed (FSDP1 skips them too).
     """
     restored: dict[str, torch.dtype] = {}
-    for unit in wrapper.fsdp_modules(wrapper):
+    for path, unit in units_with_paths(root):
         if unit.mixed_precision is None or unit.mixed_precision.buffer_dtype is None:
             continue
-        prefix = _relative_prefix(wrapper, unit)
-        ignored = {id(b) for module in unit._ignored_modules for b in module.buffers(recurse=False)}
-        ignored_names = {clean_name(name) for name, b in unit.named_buffers() if id(b) in ignored}
-        for name, dtype in unit._buffer_name_to_orig_dtype.items():
+        ignored = {id(b) for module in unit.ignored_modules for b in module.buffers(recurse=False)}
+        ignored_names = {clean_name(name) for name, b in unit.wrapper.named_buffers() if id(b) in ignored}
+        for name, dtype in unit.buffer_name_to_orig_dtype.items():
             if name not in ignored_names:
-                restored.setdefault(prefix + name, dtype)
+                restored.setdefault(f"{path}.{name}" if path else name, dtype)
     return restored
 
 
-def _relative_prefix(root: nn.Module, unit: nn.Module) -> str:
-    for name, module in root.named_modules():
-        if module is unit:
-            return clean_name(name + ".") if name else ""
-    raise ValueError("unit is not inside root")
-
-
-# ---------------------------------------------------------------------------------------------
-# keep_low_precision_grads
-# ---------------------------------------------------------------------------------------------
-
-
-def _install_low_precision_grad_hooks(unit: FullyShardedDataParallel) -> None:
+def _install_low_precision_grad_hooks(unit: UnitState) -> None:
     """With ``keep_low_precision_grads``, make the unit's gradients ``param_dtype`` after backward.
 
     The engine reduces in ``reduce_dtype``, casts to the parameter dtype and then runs the
@@ -278,11 +219,6 @@ def _install_low_precision_grad_hooks(unit: FullyShardedDataParallel) -> None:
 def _cast_grad(param: torch.Tensor, dtype: torch.dtype) -> None:
     if param.grad is not None and param.grad.dtype != dtype:
         param.grad = param.grad.to(dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Casting floating-point tensors in nested inputs
-# ---------------------------------------------------------------------------------------------
 
 
 def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from . import _engine, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
-from ._common import clean_name, wrappers_in
+from ._common import clean_name
 from ._mesh import flatten_to_1d
 from ._optim_state_kinds import StateKinds, check_state_kinds, learn_state_kinds
 from ._tensor_layout import (
@@ -42,6 +42,7 @@ from ._tensor_layout import (
     local_copy,
     to_layout_of,
 )
+from ._unit_state import wrappers_in
 from .api import OptimStateKeyType, StateDictType
 
 __all__ = [

@@ -16,7 +16,6 @@ for both values of ``use_orig_params``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -80,11 +79,6 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
             if param in optimizer.state:
                 optimizer.state[current] = _moved_state(optimizer.state.pop(param), param, current)
     _checked[optimizer] = _generation
-
-
-def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
-    for optimizer in optimizers:
-        rebind_optimizer(optimizer)
 
 
 def _rebind_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -16,55 +16,52 @@ import math
 import warnings
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import _engine
+from . import _engine, _mixed_precision
 from ._collectives import all_ranks_agree, mesh_groups
 from ._full_tensors import gather_full_tensors
-from ._common import TrainingState, warn_once, wrappers_in
+from ._common import TrainingState, warn_once
 from ._mesh import HYBRID_STRATEGIES
+from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy
 
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
 
-
-def init_runtime_state(wrapper: FullyShardedDataParallel) -> None:
-    """Per-wrapper runtime attributes (FSDP1 names where third-party code reads them)."""
-    wrapper._comm_hook = None
-    wrapper._comm_hook_state = None
-
-
-# ---------------------------------------------------------------------------------------------
-# Root forward: checks, recovery, prefetch
-# ---------------------------------------------------------------------------------------------
-
-
-def check_idle_for_forward(units: list[FullyShardedDataParallel]) -> None:
-    """Refuse a forward inside ``summon_full_params``. FSDP1 runs it, but reshards the parameters
-    under the open context and trains wrongly afterwards; a clear error is better."""
+def root_pre_forward(root: UnitState, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    units = units_in(root.wrapper)  # walked once per step, shared by the steps below
+    # FSDP1 runs a forward inside summon_full_params, but reshards the parameters under the open
+    # context and trains wrongly afterwards; a clear error is better.
     if any(unit.training_state == TrainingState.SUMMON_FULL_PARAMS for unit in units):
         raise AssertionError("Cannot run forward inside summon_full_params(); exit the context first "
                              "(inside it the parameters are full copies, for reading or editing)")
+    _recover_interrupted_iteration(root)
+    if root.forward_order is None:  # the first forward: the units record their order in it
+        root.forward_order = []
+        for unit in units:
+            unit.order_recorder = root.forward_order
+    elif any(unit.forward_prefetch for unit in units):
+        _configure_forward_prefetch(root.forward_order)
+    return _mixed_precision.root_pre_forward(root, units, args, kwargs)
 
 
-def recover_interrupted_iteration(wrapper: FullyShardedDataParallel) -> None:
-    """At a root forward: if the previous forward or backward raised midway, reset the engine so
-    this step runs normally. That step's unreduced gradients (and any ``no_sync`` accumulation)
-    are dropped; gradients it had already reduced stay until ``zero_grad()``. (FSDP1 cannot
-    continue after such a step: its state stays mid-iteration.)"""
-    if _engine.recover_interrupted_iteration(wrapper.module):
+def _recover_interrupted_iteration(root: UnitState) -> None:
+    """If the previous forward or backward raised midway, reset the engine so this step runs
+    normally. That step's unreduced gradients (and any ``no_sync`` accumulation) are dropped;
+    gradients it had already reduced stay until ``zero_grad()``. (FSDP1 cannot continue after
+    such a step: its state stays mid-iteration.)"""
+    if _engine.recover_interrupted_iteration(root.module):
         warn_once("recovered_iteration", "A previous forward or backward raised midway; "
                   "fsdp_compat reset the FSDP engine and dropped that step's unreduced gradients. "
                   "Call optimizer.zero_grad() after such a step if it may have reduced some.")
 
 
-def configure_forward_prefetch(forward_order: list[FullyShardedDataParallel]) -> None:
+def _configure_forward_prefetch(forward_order: list[UnitState]) -> None:
     """``forward_prefetch=True``: each unit all-gathers the next unit (in the first iteration's
     forward order) as it starts its own forward, as FSDP1 does."""
     units = [unit for unit in forward_order if _engine.engine_state(unit.module) is not None]
@@ -73,22 +70,17 @@ def configure_forward_prefetch(forward_order: list[FullyShardedDataParallel]) ->
             current.module.set_modules_to_forward_prefetch([following.module])
 
 
-# ---------------------------------------------------------------------------------------------
-# no_sync
-# ---------------------------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
-def no_sync(wrapper: FullyShardedDataParallel) -> Generator[None, None, None]:
+def no_sync(root: UnitState) -> Generator[None, None, None]:
     """Skip gradient reduction inside the context; the next synced backward reduces the total.
 
     Every unit (sharded, hybrid and replicated alike) keeps its unreduced gradient locally; the
     flags are restored on exit, so nested use keeps syncing off until the outermost exit.
     """
-    if not wrapper._is_root:
+    if not root.is_root:
         raise RuntimeError("`no_sync()` on inner FSDP instances is not supported. Please call "
                            "`no_sync()` on root FSDP module.")
-    units = [unit.module for unit in wrappers_in(wrapper)]
+    units = [unit.module for unit in units_in(root.wrapper)]
     saved = [_engine.gradient_sync_flags(unit) for unit in units]
     for unit, flags in zip(units, saved):
         _engine.set_gradient_sync_flags(unit, [(False, False)] * len(flags))
@@ -156,7 +148,7 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.devic
     return total if infinite else total ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(wrapper: FullyShardedDataParallel, max_norm: float | int,
+def clip_grad_norm_(wrapper: Any, max_norm: float | int,
                     norm_type: float | int = 2.0) -> torch.Tensor:
     """Clip all gradients in place by their total norm over every rank; return that norm.
 
@@ -218,13 +210,13 @@ def _write_to_shard(full: torch.Tensor, sharded: DTensor) -> None:
     sharded.to_local().copy_(chunk.to_local())
 
 
-def _validate_summon_args(wrappers: list[FullyShardedDataParallel], writeback: bool, rank0_only: bool,
+def _validate_summon_args(units: list[UnitState], writeback: bool, rank0_only: bool,
                           offload_to_cpu: bool, with_grads: bool) -> None:
     """FSDP1's rejected combinations, with its exception types and order."""
     if with_grads and offload_to_cpu:
         raise NotImplementedError("with_grads=True together with offload_to_cpu=True is not "
                                   "supported (as in FSDP1); pass offload_to_cpu=False to see gradients")
-    if offload_to_cpu and any(w.sharding_strategy == ShardingStrategy.NO_SHARD for w in wrappers):
+    if offload_to_cpu and any(u.sharding_strategy == ShardingStrategy.NO_SHARD for u in units):
         raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported (as in FSDP1); "
                                   "NO_SHARD parameters are already full: pass offload_to_cpu=False")
     if writeback and rank0_only:
@@ -237,39 +229,39 @@ def _validate_summon_args(wrappers: list[FullyShardedDataParallel], writeback: b
                       "offload_to_cpu=True is meant for rank0_only=True.", stacklevel=4)
 
 
-def _check_can_summon(wrapper: FullyShardedDataParallel) -> None:
-    if wrapper.training_state == TrainingState.SUMMON_FULL_PARAMS:
+def _check_can_summon(unit: UnitState) -> None:
+    if unit.training_state == TrainingState.SUMMON_FULL_PARAMS:
         raise AssertionError("Cannot manually unshard parameters when already unsharding parameters "
                              "(this module is inside an open summon_full_params(); use recurse=False "
                              "on the outer call to summon inner modules separately)")
-    if _engine.iteration_in_progress(wrapper.module):
+    if _engine.iteration_in_progress(unit.module):
         raise AssertionError("Cannot manually unshard parameters during forward/backward; call "
                              "summon_full_params() before the forward or after the backward")
 
 
-def _summon_unit(wrapper: FullyShardedDataParallel, keep_shards: bool, offload_to_cpu: bool,
+def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
                  with_grads: bool, summoned: list[_SummonedParam]) -> None:
     """Gather the unit's parameters (every rank takes part) and register the full ones, recording
     each in ``summoned`` as soon as it is registered, so that a failure midway still restores it."""
     entries = []
-    for engine_sharded, slots in _engine.unit_param_slots(wrapper.module):
+    for engine_sharded, slots in _engine.unit_param_slots(unit.module):
         registered = _registered(slots[0])
         # Normally the same object; the registered one wins if the user swapped in a new DTensor.
         sharded = registered if isinstance(registered, DTensor) else engine_sharded
         entries.append((sharded, slots, registered))
     # One all-gather for the whole unit (per dtype), not one per parameter.
-    values = gather_full_tensors([sharded for sharded, _, _ in entries], wrapper.compute_device)
+    values = gather_full_tensors([sharded for sharded, _, _ in entries], unit.compute_device)
     grads: dict[int, torch.Tensor] = {}
     if with_grads:
         with_grad = [i for i, (sharded, _, _) in enumerate(entries) if sharded.grad is not None]
-        gathered = gather_full_tensors([entries[i][0].grad for i in with_grad], wrapper.compute_device)
+        gathered = gather_full_tensors([entries[i][0].grad for i in with_grad], unit.compute_device)
         grads = dict(zip(with_grad, gathered))
     for index, ((sharded, slots, registered), value) in enumerate(zip(entries, values)):
         item = _SummonedParam(sharded, slots, registered)
         summoned.append(item)
         if keep_shards:
             continue
-        value = value.cpu() if offload_to_cpu else value.to(wrapper.compute_device)
+        value = value.cpu() if offload_to_cpu else value.to(unit.compute_device)
         item.full = nn.Parameter(value, requires_grad=sharded.requires_grad)
         item.full.grad = grads.get(index)
         _register(slots, item.full)
@@ -302,64 +294,48 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     wrapper). With ``rank0_only``, ranks other than 0 keep their shards. Inside, the affected
     wrappers are in ``SUMMON_FULL_PARAMS`` (clean ``named_parameters()`` names, no forward).
     """
-    wrappers = wrappers_in(module) if recurse else [w for w in wrappers_in(module) if w is module]
+    own = state_of(module)
+    units = units_in(module) if recurse else [own] if own is not None else []
     # Arguments bad on one rank only must not leave the others waiting in the gathers.
-    with all_ranks_agree(mesh_groups(wrappers[0]._device_mesh) if wrappers else [],
+    with all_ranks_agree(mesh_groups(units[0].device_mesh) if units else [],
                          "The summon_full_params() arguments", "no parameters were gathered on any rank"):
-        _validate_summon_args(wrappers, writeback, rank0_only, offload_to_cpu, with_grads)
-        for wrapper in wrappers:
-            _check_can_summon(wrapper)
+        _validate_summon_args(units, writeback, rank0_only, offload_to_cpu, with_grads)
+        for unit in units:
+            _check_can_summon(unit)
     summoned: list[_SummonedParam] = []
     try:
         with contextlib.ExitStack() as hooks_suspended:
-            for wrapper in wrappers:
-                wrapper.training_state = TrainingState.SUMMON_FULL_PARAMS
-                keep_shards = rank0_only and wrapper.rank != 0
-                _summon_unit(wrapper, keep_shards, offload_to_cpu, with_grads, summoned)
+            for unit in units:
+                unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+                keep_shards = rank0_only and unit.rank != 0
+                _summon_unit(unit, keep_shards, offload_to_cpu, with_grads, summoned)
                 if not keep_shards:
                     # A forward of the inner modules (``generate`` on ``model.module``) runs on
                     # the full parameters in their own precision, as in FSDP1.
-                    hooks_suspended.enter_context(_engine.forward_hooks_suspended(wrapper.module))
+                    hooks_suspended.enter_context(_engine.forward_hooks_suspended(unit.module))
             yield
     finally:
         for item in summoned:
             _unsummon(item, writeback, with_grads)
-        for wrapper in wrappers:
-            wrapper.training_state = TrainingState.IDLE
+        for unit in units:
+            unit.training_state = TrainingState.IDLE
 
 
-def apply_with_full_params(wrapper: FullyShardedDataParallel,
-                           fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
-    """``nn.Module.apply`` with this unit's parameters full and edits written back, as FSDP1.
-
-    Nested wrappers are reached through ``nn.Module.apply``'s recursion, each summoning itself.
-    """
-    with summon_full_params(wrapper, recurse=False, writeback=True):
-        nn.Module.apply(wrapper, fn)
-    return wrapper
-
-
-# ---------------------------------------------------------------------------------------------
-# Communication hooks
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_comm_hook(wrapper: FullyShardedDataParallel, units: list[FullyShardedDataParallel],
-                     hook: Any) -> None:
+def _check_comm_hook(root: UnitState, units: list[UnitState], hook: Any) -> None:
     """FSDP1's checks, in its order and with its exception types."""
-    if not wrapper._is_root:
+    if not root.is_root:
         raise AssertionError("register_comm_hook can only be called on a root instance.")
     for unit in units:
         if unit.sharding_strategy in HYBRID_STRATEGIES:
             raise AssertionError(f"Communication hook is not supported for hybrid strategies: "
                                  f"{unit.sharding_strategy}")
-        if unit._comm_hook is not None:
+        if unit.comm_hook is not None:
             raise AssertionError("A communication hook is already registered")
     if not callable(hook):
         raise ValueError(f"The communication hook must be callable but got {hook}")
 
 
-def register_comm_hook(wrapper: FullyShardedDataParallel, state: object, hook: Callable[..., Any]) -> None:
+def register_comm_hook(root: UnitState, state: object, hook: Callable[..., Any]) -> None:
     """FSDP1's ``register_comm_hook``: ``hook`` replaces the gradient communication of every unit.
 
     Sharded units call ``hook(state, grad, output)`` (``grad``: the unit's flat, padded local
@@ -367,13 +343,13 @@ def register_comm_hook(wrapper: FullyShardedDataParallel, state: object, hook: C
     (all-reduce in place), once per unit per synced backward. The hook does its own averaging,
     as torch's default hooks do. Everything is checked before anything is registered.
     """
-    units = wrappers_in(wrapper)
+    units = units_in(root.wrapper)
     # A hook registered on some ranks only would pair its collectives with the engine's default
     # ones on the others: all ranks raise, and none registers.
-    with all_ranks_agree(mesh_groups(wrapper._device_mesh), "The register_comm_hook() arguments",
+    with all_ranks_agree(mesh_groups(root.device_mesh), "The register_comm_hook() arguments",
                          "no hook was registered on any rank"):
-        _check_comm_hook(wrapper, units, hook)
+        _check_comm_hook(root, units, hook)
     for unit in units:
-        unit._comm_hook = hook
-        unit._comm_hook_state = state
+        unit.comm_hook = hook
+        unit.comm_hook_state = state
         _engine.install_comm_hook(unit.module, hook, state)

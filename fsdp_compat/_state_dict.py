@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -32,65 +32,24 @@ from torch.distributed.tensor import DTensor
 
 from . import _mixed_precision
 from ._collectives import all_ranks_agree, mesh_groups
+from ._common import clean_module_path
 from ._full_tensors import gather_full_tensors
-from ._state_dict_entries import (
-    _check_not_in_iteration,
-    _clean_module_path,
-    _collecting,
-    _effective_settings,
-    _Entry,
-    _entries,
-    _entry_settings,
-    wrappers_in,
-)
-from ._state_dict_load import load_state_dict, register_load_hooks
+from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, effective_settings, entries_of,
+                                  entry_settings)
+from ._state_dict_load import load_state_dict
 from ._tensor_layout import shard_like
-from .api import (
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    OptimStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-    coerce_config,
-    coerce_enum,
-)
+from ._unit_state import UnitState, units_in
+from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
+                  OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
+                  StateDictSettings, StateDictType, coerce_config, coerce_enum)
 
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-__all__ = [
-    "get_state_dict_type",
-    "init_state_dict_settings",
-    "load_state_dict",
-    "restore_state_dict_type",
-    "set_state_dict_type",
-    "state_dict",
-]
+__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type", "state_dict"]
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
 }
-
-
-# =============================================================================================
-# Settings: state_dict_type / set_state_dict_type / get_state_dict_type
-# =============================================================================================
-
-
-def init_state_dict_settings(wrapper: FullyShardedDataParallel) -> None:
-    """FSDP1's defaults (FULL state dicts, ``FullStateDictConfig()``, ``FullOptimStateDictConfig()``),
-    and the hooks that let a plain module holding the wrapper load it (``DDP(FSDP(model))``)."""
-    wrapper._state_dict_type = StateDictType.FULL_STATE_DICT
-    wrapper._state_dict_config = FullStateDictConfig()
-    wrapper._optim_state_dict_config = FullOptimStateDictConfig()
-    register_load_hooks(wrapper)
 
 
 def set_state_dict_type(
@@ -104,40 +63,39 @@ def set_state_dict_type(
     As FSDP1: a config of the wrong class raises ``RuntimeError``; a module without wrappers is
     left alone and ``StateDictSettings(None, None, None)`` returned (which, passed back, is a no-op).
     """
-    wrappers = wrappers_in(module)
-    if state_dict_type is None and not wrappers:
+    units = units_in(module)
+    if state_dict_type is None and not units:
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     # Arguments given on one rank only must not let the other ranks go on to a state dict's
     # collectives alone: all ranks raise, and no wrapper changes anywhere.
-    groups = mesh_groups(wrappers[0]._device_mesh) if wrappers else []
+    groups = mesh_groups(units[0].device_mesh) if units else []
     with all_ranks_agree(groups, "The set_state_dict_type() arguments", "no settings changed on any rank"):
         state_dict_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
         config_class, optim_config_class = _CONFIG_CLASSES[state_dict_type]
         state_dict_config = _exact_config(state_dict_config, StateDictConfig, config_class, "state_dict_config")
         optim_state_dict_config = _exact_config(optim_state_dict_config, OptimStateDictConfig,
                                                 optim_config_class, "optim_state_dict_config")
-        previous = _previous_settings(wrappers)
-    return _apply_settings(wrappers, state_dict_type, state_dict_config, optim_state_dict_config, previous)
+        previous = _previous_settings(units)
+    return _apply_settings(units, state_dict_type, state_dict_config, optim_state_dict_config, previous)
 
 
 def restore_state_dict_type(module: nn.Module, settings: StateDictSettings) -> None:
     """Put back what :func:`set_state_dict_type` returned (``state_dict_type``'s exit). The
     values were checked and agreed on when they were set, so this is local: a rank leaving the
     context by an exception does not wait for the others."""
-    wrappers = wrappers_in(module)
     if settings.state_dict_type is None:
         return
-    _apply_settings(wrappers, settings.state_dict_type, settings.state_dict_config,
+    _apply_settings(units_in(module), settings.state_dict_type, settings.state_dict_config,
                     settings.optim_state_dict_config, settings)
 
 
-def _apply_settings(wrappers: list[FullyShardedDataParallel], state_dict_type: StateDictType,
+def _apply_settings(units: list[UnitState], state_dict_type: StateDictType,
                     state_dict_config: StateDictConfig, optim_state_dict_config: OptimStateDictConfig,
                     previous: StateDictSettings) -> StateDictSettings:
-    for wrapper in wrappers:
-        wrapper._state_dict_type = state_dict_type
-        wrapper._state_dict_config = state_dict_config
-        wrapper._optim_state_dict_config = optim_state_dict_config
+    for unit in units:
+        unit.state_dict_type = state_dict_type
+        unit.state_dict_config = state_dict_config
+        unit.optim_state_dict_config = optim_state_dict_config
     return previous
 
 
@@ -156,29 +114,28 @@ def _exact_config(config: Any, base: type, expected: type, argument: str) -> Any
     return coerced
 
 
-def _previous_settings(wrappers: list[FullyShardedDataParallel]) -> StateDictSettings:
+def _previous_settings(units: list[UnitState]) -> StateDictSettings:
     """The first wrapper's settings; FSDP1 checks the others agree in type and config classes."""
-    if not wrappers:
+    if not units:
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
-    first = wrappers[0]
-    for other in wrappers[1:]:
-        if other._state_dict_type != first._state_dict_type:
+    first = units[0]
+    for other in units[1:]:
+        if other.state_dict_type != first.state_dict_type:
             raise AssertionError("All FSDP modules should have the same state_dict_type.")
-        if not isinstance(other._state_dict_config, type(first._state_dict_config)):
+        if not isinstance(other.state_dict_config, type(first.state_dict_config)):
             raise AssertionError("All FSDP modules must have the same type of state_dict_config.")
-        if not isinstance(other._optim_state_dict_config, type(first._optim_state_dict_config)):
+        if not isinstance(other.optim_state_dict_config, type(first.optim_state_dict_config)):
             raise AssertionError("All FSDP modules must have the same type of optim_state_dict_config.")
-    return StateDictSettings(first._state_dict_type, first._state_dict_config,
-                             first._optim_state_dict_config)
+    return StateDictSettings(first.state_dict_type, first.state_dict_config,
+                             first.optim_state_dict_config)
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings shared by every wrapper in ``module`` (``None`` without wrappers, as FSDP1);
     ``AssertionError`` if they differ."""
     settings: StateDictSettings | None = None
-    for wrapper in wrappers_in(module):
-        current = StateDictSettings(wrapper._state_dict_type, wrapper._state_dict_config,
-                                    wrapper._optim_state_dict_config)
+    for unit in units_in(module):
+        current = StateDictSettings(unit.state_dict_type, unit.state_dict_config, unit.optim_state_dict_config)
         if settings is None:
             settings = current
         elif settings != current:
@@ -187,24 +144,19 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     return settings  # type: ignore[return-value]
 
 
-# =============================================================================================
-# Saving
-# =============================================================================================
-
-
-def state_dict(wrapper: FullyShardedDataParallel, *args: Any, destination: Any = None,
+def state_dict(root: UnitState, *args: Any, destination: Any = None,
                prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-    """The state dict of ``wrapper`` in its state-dict type (see the module docstring)."""
-    if _collecting.get():
-        return nn.Module.state_dict(wrapper, *args, destination=destination, prefix=prefix,
+    """The state dict of the wrapper in its state-dict type (see the module docstring)."""
+    if collecting.get():
+        return nn.Module.state_dict(root.wrapper, *args, destination=destination, prefix=prefix,
                                     keep_vars=keep_vars)
     destination, prefix, keep_vars = _positional_state_dict_args(args, destination, prefix, keep_vars)
-    _check_not_in_iteration(wrapper, "state_dict()")
-    requested, config = _effective_settings(wrapper)
-    entries, metadata = _entries(wrapper)
-    plans = [(entry, *_entry_settings(entry, requested, config)) for entry in entries]
-    full = _gather_full_parameters(plans, wrapper.rank)
-    restore_dtypes = _mixed_precision.original_buffer_dtypes(wrapper)
+    check_not_in_iteration(root, "state_dict()")
+    requested, config = effective_settings(root)
+    entries, metadata = entries_of(root)
+    plans = [(entry, *entry_settings(entry, requested, config)) for entry in entries]
+    full = _gather_full_parameters(plans, root.rank)
+    restore_dtypes = _mixed_precision.original_buffer_dtypes(root.wrapper)
 
     result = destination if destination is not None else OrderedDict()
     if destination is None:
@@ -212,9 +164,9 @@ def state_dict(wrapper: FullyShardedDataParallel, *args: Any, destination: Any =
     if hasattr(result, "_metadata"):
         # The wrapped module's version follows (and wins over) its wrapper's, as both map to one path.
         for path, module_metadata in metadata.items():
-            result._metadata[_prefixed(prefix, _clean_module_path(path))] = module_metadata
+            result._metadata[_prefixed(prefix, clean_module_path(path))] = module_metadata
     for entry, entry_type, entry_config in plans:
-        if _only_rank0_keeps(entry_config, wrapper.rank) and not entry.is_plain_param:
+        if _only_rank0_keeps(entry_config, root.rank) and not entry.is_plain_param:
             continue  # FSDP1: under rank0_only, other ranks keep only ignored parameters
         value = _entry_value(entry, entry_type, full, restore_dtypes, keep_vars)
         if value is None:
@@ -247,7 +199,7 @@ def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:
     return getattr(config, "rank0_only", False) and rank != 0
 
 
-def _gather_full_parameters(plans: list[tuple[_Entry, StateDictType, StateDictConfig]],
+def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictConfig]],
                             rank: int) -> dict[int, torch.Tensor]:
     """id(sharded parameter) -> full copy for FULL entries, one collective per unit.
 
@@ -256,7 +208,7 @@ def _gather_full_parameters(plans: list[tuple[_Entry, StateDictType, StateDictCo
     on the device at a time. Summoned units are skipped: their full values are already on the
     modules (and under ``rank0_only`` only some ranks have them, so a collective could not match).
     """
-    by_unit: dict[int, tuple[FullyShardedDataParallel, StateDictConfig, dict[int, DTensor]]] = {}
+    by_unit: dict[int, tuple[UnitState, StateDictConfig, dict[int, DTensor]]] = {}
     for entry, entry_type, config in plans:
         if entry_type != StateDictType.FULL_STATE_DICT or entry.sharded is None or entry.summoned:
             continue
@@ -274,7 +226,7 @@ def _gather_full_parameters(plans: list[tuple[_Entry, StateDictType, StateDictCo
 
 
 @torch.no_grad()
-def _entry_value(entry: _Entry, state_dict_type: StateDictType, full: dict[int, torch.Tensor],
+def _entry_value(entry: Entry, state_dict_type: StateDictType, full: dict[int, torch.Tensor],
                  restore_dtypes: dict[str, torch.dtype], keep_vars: bool) -> Any:
     """The entry's value for the type; ``None`` to leave it out (summoned shards, see FULL)."""
     if entry.sharded is not None:
@@ -287,7 +239,7 @@ def _entry_value(entry: _Entry, state_dict_type: StateDictType, full: dict[int, 
     return entry.value if keep_vars else entry.value.detach().clone()
 
 
-def _parameter_value(entry: _Entry, state_dict_type: StateDictType, full: dict[int, torch.Tensor]) -> Any:
+def _parameter_value(entry: Entry, state_dict_type: StateDictType, full: dict[int, torch.Tensor]) -> Any:
     sharded = entry.sharded
     assert sharded is not None
     if state_dict_type == StateDictType.FULL_STATE_DICT:

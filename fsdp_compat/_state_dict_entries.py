@@ -11,33 +11,28 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine
-from ._common import (CHECKPOINT_WRAPPED_MODULE, FSDP_WRAPPED_MODULE, TrainingState, clean_name,
-                      warn_once, wrappers_in)
+from ._common import CHECKPOINT_WRAPPED_MODULE, TrainingState, clean_name, warn_once
+from ._unit_state import UnitState, state_of, units_in
 from .api import FullStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictType
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-_WRAPPER_SEGMENTS = {FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE}
 
 
 # Set while a wrapper runs ``nn.Module.state_dict`` over its tree: nested wrappers reached by that
 # recursion then contribute their raw entries instead of producing a state dict of their own.
-_collecting: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_compat_collecting", default=False)
+collecting: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_compat_collecting", default=False)
 
 
 @dataclasses.dataclass
-class _Entry:
+class Entry:
     key: str  # clean key, relative to the wrapper whose state dict this is
     raw_key: str  # nn.Module's key (wrapper prefixes included), relative likewise
     value: Any  # what the module holds under that key (tensor or extra state)
-    unit: FullyShardedDataParallel  # innermost wrapper holding it
+    unit: UnitState  # of the innermost wrapper holding it
     sharded: DTensor | None = None  # the engine-sharded parameter, for a managed parameter
     summoned: bool = False  # the unit is inside summon_full_params
     is_buffer: bool = False
@@ -50,24 +45,24 @@ class _Entry:
 
 
 def _raw_state_dict(wrapper: nn.Module) -> OrderedDict[str, Any]:
-    token = _collecting.set(True)
+    token = collecting.set(True)
     try:
         return nn.Module.state_dict(wrapper, keep_vars=True)
     finally:
-        _collecting.reset(token)
+        collecting.reset(token)
 
 
-def _entries(wrapper: FullyShardedDataParallel) -> tuple[list[_Entry], OrderedDict[str, Any]]:
+def entries_of(root: UnitState) -> tuple[list[Entry], OrderedDict[str, Any]]:
     """The wrapper's state entries in ``nn.Module.state_dict`` order, and its ``_metadata``."""
-    raw = _raw_state_dict(wrapper)
+    raw = _raw_state_dict(root.wrapper)
     sharded_by_slot = {(id(module), name): sharded
-                       for unit in wrappers_in(wrapper)
+                       for unit in units_in(root.wrapper)
                        for sharded, slots in _engine.unit_param_slots(unit.module)
                        for module, name in slots}
     entries = []
     for raw_key, value in raw.items():
-        owner, attr, unit = _locate(wrapper, raw_key)
-        entry = _Entry(clean_name(raw_key), raw_key, value, unit,
+        owner, attr, unit = _locate(root, raw_key)
+        entry = Entry(clean_name(raw_key), raw_key, value, unit,
                        summoned=unit.training_state == TrainingState.SUMMON_FULL_PARAMS)
         if owner is not None:
             entry.sharded = sharded_by_slot.get((id(owner), attr))
@@ -79,19 +74,16 @@ def _entries(wrapper: FullyShardedDataParallel) -> tuple[list[_Entry], OrderedDi
     return entries, getattr(raw, "_metadata", OrderedDict())
 
 
-def _locate(wrapper: FullyShardedDataParallel, raw_key: str) -> tuple[nn.Module | None, str, Any]:
-    """The module owning ``raw_key``'s tensor, the attribute name, and the innermost wrapper."""
+def _locate(root: UnitState, raw_key: str) -> tuple[nn.Module | None, str, UnitState]:
+    """The module owning ``raw_key``'s tensor, the attribute name, and the innermost unit."""
     *path, attr = raw_key.split(".")
-    module: nn.Module = wrapper
-    unit = wrapper
-    wrapper_class = type(wrapper)
+    module, unit = root.wrapper, root
     for segment in path:
         child = _engine.registered_child(_inside_checkpoint_wrappers(module, segment), segment)
         if child is None:  # a key renamed by a module's own state-dict hook
             return None, attr, unit
         module = child
-        if isinstance(module, wrapper_class):
-            unit = module
+        unit = state_of(module) or unit
     return _inside_checkpoint_wrappers(module, attr), attr, unit
 
 
@@ -119,22 +111,22 @@ def _own_buffer_names(module: nn.Module) -> set[str]:
     return {name for name, _ in module.named_buffers(recurse=False, remove_duplicate=False)}
 
 
-def _clean_module_path(path: str) -> str:
-    return ".".join(s for s in path.split(".") if s not in _WRAPPER_SEGMENTS) if path else path
-
-
-def _check_not_in_iteration(wrapper: FullyShardedDataParallel, what: str) -> None:
-    if wrapper.training_state == TrainingState.FORWARD_BACKWARD or \
-            _engine.iteration_in_progress(wrapper.module):
+def check_not_in_iteration(unit: UnitState, what: str) -> None:
+    if unit.training_state == TrainingState.FORWARD_BACKWARD or _engine.iteration_in_progress(unit.module):
         raise AssertionError(f"{what} was called while a forward or backward pass is running "
                              "(FSDP1 raises here too); call it between training steps")
 
 
-def _effective_settings(wrapper: FullyShardedDataParallel) -> tuple[StateDictType, StateDictConfig]:
-    """The wrapper's type and config, or what ``torch.distributed.checkpoint.state_dict`` asks for."""
-    options = _distributed_checkpoint_options()
+def effective_settings(unit: UnitState) -> tuple[StateDictType, StateDictConfig]:
+    """The wrapper's type and config, or what ``torch.distributed.checkpoint.state_dict`` asks for.
+
+    torch gives FSDP1 modules SHARDED or FULL state dicts from a ``get_state_dict`` / ``set_state_dict``
+    call's options by setting their state-dict type first; it does not know our class, so the adapter
+    publishes the options while torch runs the model's ``state_dict`` / ``load_state_dict``.
+    """
+    options = _engine.distributed_checkpoint_request()
     if options is None:
-        return wrapper._state_dict_type, wrapper._state_dict_config
+        return unit.state_dict_type, unit.state_dict_config
     # The same mapping torch applies to FSDP1 modules in ``_verify_options``.
     if options.full_state_dict:
         return StateDictType.FULL_STATE_DICT, FullStateDictConfig(
@@ -142,19 +134,8 @@ def _effective_settings(wrapper: FullyShardedDataParallel) -> tuple[StateDictTyp
     return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
 
 
-def _distributed_checkpoint_options() -> Any | None:
-    """The options of a ``get_state_dict`` / ``set_state_dict`` (torch.distributed.checkpoint)
-    call that is asking this wrapper for its state, if that is why we run.
-
-    torch gives FSDP1 modules SHARDED or FULL state dicts from those options by setting their
-    state-dict type first; it does not know our class, so the adapter publishes the options
-    while torch runs the model's ``state_dict`` / ``load_state_dict`` (see ``_engine``).
-    """
-    return _engine.distributed_checkpoint_request()
-
-
-def _entry_settings(entry: _Entry, requested: StateDictType,
-                    config: StateDictConfig) -> tuple[StateDictType, StateDictConfig]:
+def entry_settings(entry: Entry, requested: StateDictType,
+                   config: StateDictConfig) -> tuple[StateDictType, StateDictConfig]:
     """FSDP1 gives a ``NO_SHARD`` unit's states as FULL with the default config, whatever was set."""
     if entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD:
         return requested, config

@@ -16,7 +16,7 @@ import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,81 +26,74 @@ from torch.distributed.tensor import DTensor
 from . import _engine, _flat_checkpoint
 from ._collectives import all_ranks_agree, broadcast_object, mesh_groups, ranks_where
 from ._engine import IncompatibleKeys, dtensor_like
-from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_name
+from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._full_tensors import sharded_tensor_local_piece
-from ._state_dict_entries import (
-    _clean_module_path,
-    _distributed_checkpoint_options,
-    _effective_settings,
-    _Entry,
-    _entries,
-    _check_not_in_iteration,
-    wrappers_in,
-)
+from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
 from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, to_full
+from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-__all__ = ["load_state_dict", "register_load_hooks"]
-
-_FLAT_PARAM = "_flat_param"
 # Set while ``load_state_dict`` lets ``nn.Module`` copy into a wrapper: its hooks stand aside.
 _loading: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_compat_loading", default=False)
 
 
 @dataclasses.dataclass
 class _Incoming:
-    entry: _Entry
+    entry: Entry
     value: Any
 
 
-def load_state_dict(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any],
+def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
                     strict: bool = True, assign: bool = False) -> IncompatibleKeys:
-    """Load ``state_dict`` into ``wrapper``: all of it on every rank, or (raising) nothing anywhere.
+    """Load ``state_dict`` into the wrapper: all of it on every rank, or (raising) nothing anywhere.
 
     Accepted values, whatever the type: plain tensors (full ones; this rank's pieces under
     LOCAL), ``DTensor`` and ``ShardedTensor`` (any layout). ``strict=False`` reports missing and
     unexpected keys as ``nn.Module`` does.
     """
-    with _agreement(wrapper):  # input given on one rank only must not leave the others waiting
+    with _agreement(root):  # input given on one rank only must not leave the others waiting
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
-        _check_not_in_iteration(wrapper, "load_state_dict()")
-    state_dict_type, _ = _effective_settings(wrapper)
+        check_not_in_iteration(root, "load_state_dict()")
+    state_dict_type, _ = effective_settings(root)
     metadata = getattr(state_dict, "_metadata", None)
-    _reshard_units(wrapper)
-    entries, _ = _entries(wrapper)
-    state_dict = _as_given_by_distributed_checkpoint(wrapper, state_dict, entries)
+    units = units_in(root.wrapper)
+    for unit in units:
+        # The root keeps full parameters after a no-grad forward: register the shards, so that
+        # loading writes them and no stale full copy is used afterwards. Summoned units keep their
+        # full parameters: loading writes those, and summon's writeback takes it from there.
+        if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
+            unit.module.reshard()
+    entries, _ = entries_of(root)
+    state_dict = _as_given_by_distributed_checkpoint(root, state_dict, entries)
     if state_dict_type == StateDictType.LOCAL_STATE_DICT:
-        state_dict = _from_fsdp1_flat_params(wrapper, state_dict, entries)
+        state_dict = _from_fsdp1_flat_params(root, state_dict, entries)
     incoming, missing, unexpected = _match_keys(entries, state_dict)
     errors = _key_errors(missing, unexpected, strict)
     errors += [e for item in incoming for e in _value_errors(item, state_dict_type)]
-    _agree_or_raise(wrapper, errors)
+    _agree_or_raise(root, errors)
     summoned = [item for item in incoming if item.entry.full_visible]
     raw = _converted([item for item in incoming if not item.entry.full_visible], state_dict_type)
-    raw._metadata = _raw_metadata(wrapper, metadata)  # type: ignore[attr-defined]
+    raw._metadata = _raw_metadata(root.wrapper, metadata)  # type: ignore[attr-defined]
     # Everything was checked on every rank: nn.Module's copy (hooks, extra state, assign) runs
     # only on input it accepts.
     token = _loading.set(True)
     try:
-        with _shards_registered(wrapper):
-            nn.Module.load_state_dict(wrapper, raw, strict=False, assign=assign)
+        with _shards_registered(units):
+            nn.Module.load_state_dict(root.wrapper, raw, strict=False, assign=assign)
     finally:
         _loading.reset(token)
     _copy_into_summoned(summoned)
     return IncompatibleKeys(missing, unexpected)
 
 
-def register_load_hooks(wrapper: FullyShardedDataParallel) -> None:
+def register_load_hooks(wrapper: nn.Module) -> None:
     """Let a plain module holding the wrapper load it (``DDP(FSDP(model))``), as FSDP1 does."""
     wrapper.register_load_state_dict_pre_hook(_load_inside_plain_module)
     wrapper.register_load_state_dict_post_hook(_forget_wrapped_missing_keys)
 
 
-def _load_inside_plain_module(wrapper: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str,
+def _load_inside_plain_module(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str,
                               local_metadata: Any, strict: bool, missing_keys: list[str],
                               unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """``nn.Module.load_state_dict`` of a plain module holding a root wrapper reaches the wrapper
@@ -110,38 +103,31 @@ def _load_inside_plain_module(wrapper: FullyShardedDataParallel, state_dict: dic
     the outer load is strict (``strict`` is always True here), so missing and unexpected keys are
     reported to it and it raises after the rest was copied, as it does for plain modules.
     """
-    if _loading.get() or not wrapper._is_root:
+    root = state_of(wrapper)
+    if _loading.get() or root is None or not root.is_root:
         return
     ours = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict) if key.startswith(prefix)}
-    result = load_state_dict(wrapper, ours, strict=False)
+    result = load_state_dict(root, ours, strict=False)
     missing_keys.extend(prefix + key for key in result.missing_keys)
     unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
 
 
-def _forget_wrapped_missing_keys(wrapper: FullyShardedDataParallel, incompatible_keys: IncompatibleKeys) -> None:
+def _forget_wrapped_missing_keys(wrapper: nn.Module, incompatible_keys: IncompatibleKeys) -> None:
     """After :func:`_load_inside_plain_module`, nn.Module reports the tree's wrapper-prefixed keys
     missing (it was handed none); they were loaded under their clean names."""
-    if _loading.get() or not wrapper._is_root:
+    root = state_of(wrapper)
+    if _loading.get() or root is None or not root.is_root:
         return
     incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys
                                          if FSDP_WRAPPED_MODULE not in key.split(".")]
 
 
-def _reshard_units(wrapper: FullyShardedDataParallel) -> None:
-    """Register the sharded parameters (the root keeps full ones after a no-grad forward), so that
-    loading writes the shards and no stale full copy is used afterwards. Summoned units keep
-    their full parameters: loading writes those, and summon's writeback takes it from there."""
-    for unit in wrappers_in(wrapper):
-        if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
-            unit.module.reshard()
-
-
 @contextlib.contextmanager
-def _shards_registered(wrapper: FullyShardedDataParallel) -> Iterator[None]:
+def _shards_registered(units: list[UnitState]) -> Iterator[None]:
     """The engine's post-load hooks re-read each parameter's registration and expect its shard;
     summoned units show full parameters instead, so their shards stand in during the load."""
     swapped = []
-    for unit in wrappers_in(wrapper):
+    for unit in units:
         if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
             continue
         for sharded, slots in _engine.unit_param_slots(unit.module):
@@ -167,22 +153,22 @@ def _copy_into_summoned(summoned: list[_Incoming]) -> None:
         item.entry.value.copy_(to_full(item.value))
 
 
-def _from_fsdp1_flat_params(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any],
-                            entries: list[_Entry]) -> Mapping[str, Any]:
+def _from_fsdp1_flat_params(root: UnitState, state_dict: Mapping[str, Any],
+                            entries: list[Entry]) -> Mapping[str, Any]:
     """FSDP1's LOCAL format (one flat parameter per unit) as per-parameter values (see
     ``_flat_checkpoint``). Ranks agree first on whether any of them holds flat parameters, then
     on whether they fit this model; a misfit raises ``ValueError`` everywhere, nothing loaded."""
-    groups = mesh_groups(wrapper._device_mesh)
+    groups = mesh_groups(root.device_mesh)
     if not ranks_where(_flat_checkpoint.holds_flat_params(state_dict), groups):
         return state_dict
-    units, errors = _flat_checkpoint.plan(wrapper, state_dict)
+    units, errors = _flat_checkpoint.plan(root, state_dict)
     failed = ranks_where(bool(errors), groups)
     if failed:
         raise ValueError(_flat_checkpoint.misfit_message(errors, failed))
     return _flat_checkpoint.unflatten(units, state_dict, entries)
 
 
-def _match_keys(entries: list[_Entry], state_dict: Mapping[str, Any]) -> tuple[list[_Incoming], list[str], list[str]]:
+def _match_keys(entries: list[Entry], state_dict: Mapping[str, Any]) -> tuple[list[_Incoming], list[str], list[str]]:
     expected = {entry.key for entry in entries}
     incoming = [_Incoming(entry, _as_tensor_if_tensor_like(state_dict[entry.key]))
                 for entry in entries if entry.key in state_dict]
@@ -200,21 +186,21 @@ def _as_tensor_if_tensor_like(value: Any) -> Any:
     return torch.detach(value)
 
 
-def _as_given_by_distributed_checkpoint(wrapper: FullyShardedDataParallel, state_dict: Mapping[str, Any],
-                                        entries: list[_Entry]) -> Mapping[str, Any]:
+def _as_given_by_distributed_checkpoint(root: UnitState, state_dict: Mapping[str, Any],
+                                        entries: list[Entry]) -> Mapping[str, Any]:
     """What ``set_state_dict`` (torch.distributed.checkpoint) means by the dict it passes us."""
-    options = _distributed_checkpoint_options()
+    options = _engine.distributed_checkpoint_request()
     if options is None:
         return state_dict
     state_dict = _without_own_tensors(state_dict, entries)
     if options.broadcast_from_rank0 and not _engine.DISTRIBUTED_CHECKPOINT_INTEROP:
         # With the adapter's interop torch names our tensors as FSDP1's, so it has broadcast
         # (and distributed) rank 0's values into every rank's dict itself.
-        state_dict = _broadcast_from_rank0(state_dict, wrapper.compute_device)
+        state_dict = _broadcast_from_rank0(state_dict, root.compute_device)
     return state_dict
 
 
-def _without_own_tensors(state_dict: Mapping[str, Any], entries: list[_Entry]) -> dict[str, Any]:
+def _without_own_tensors(state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
     """``set_state_dict`` with ``full_state_dict`` or ``broadcast_from_rank0`` adds the model's own
     tensors under their wrapper-prefixed names next to the clean keys (torch lists a module's
     states by ``named_parameters``, which carry the prefix); writing a tensor onto itself is a
@@ -258,7 +244,7 @@ def _key_errors(missing: list[str], unexpected: list[str], strict: bool) -> list
         errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
     if unexpected:
         errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
-        if any(key.endswith(_FLAT_PARAM) for key in unexpected):
+        if any(key.endswith(_flat_checkpoint.FLAT_PARAM) for key in unexpected):
             errors.append("This looks like a torch-FSDP1 LOCAL_STATE_DICT (flat parameters): load it "
                           "under StateDictType.LOCAL_STATE_DICT, with the world size and wrapping it "
                           "was written with.")
@@ -299,7 +285,7 @@ def _value_errors(item: _Incoming, state_dict_type: StateDictType) -> list[str]:
     return []
 
 
-def _trial_copy(value: torch.Tensor, entry: _Entry) -> None:
+def _trial_copy(value: torch.Tensor, entry: Entry) -> None:
     """Copy one element the way the load will, to catch values that cannot be cast (meta,
     quantized...) before anything is written."""
     target = entry.sharded.to_local() if entry.sharded is not None and not entry.full_visible else entry.value
@@ -330,18 +316,18 @@ def _is_distributed(value: Any) -> bool:
     return isinstance(value, DTensor) or is_sharded_tensor(value)
 
 
-def _agree_or_raise(wrapper: FullyShardedDataParallel, errors: list[str]) -> None:
+def _agree_or_raise(root: UnitState, errors: list[str]) -> None:
     """Raise on every rank if the checks failed on any of them, so that no rank copies while
     another one raises."""
-    with _agreement(wrapper):
+    with _agreement(root):
         if errors:
             raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
-                type(wrapper).__name__, "\n\t".join(errors)))
+                type(root.wrapper).__name__, "\n\t".join(errors)))
 
 
-def _agreement(wrapper: FullyShardedDataParallel) -> contextlib.AbstractContextManager[None]:
+def _agreement(root: UnitState) -> contextlib.AbstractContextManager[None]:
     """Checks that raise on any rank of the wrapper's mesh raise on all of them."""
-    return all_ranks_agree(mesh_groups(wrapper._device_mesh), "The state dict", "nothing was loaded on any rank")
+    return all_ranks_agree(mesh_groups(root.device_mesh), "The state dict", "nothing was loaded on any rank")
 
 
 @torch.no_grad()
@@ -377,19 +363,19 @@ def _piece_without_communication(value: torch.Tensor, sharded: DTensor, local_ty
     return value if local_type else None
 
 
-def _is_local_type(entry: _Entry, state_dict_type: StateDictType) -> bool:
+def _is_local_type(entry: Entry, state_dict_type: StateDictType) -> bool:
     """Whether plain values are this rank's pieces (LOCAL) rather than full tensors."""
     return (state_dict_type == StateDictType.LOCAL_STATE_DICT
             and entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD)
 
 
-def _raw_metadata(wrapper: FullyShardedDataParallel, metadata: Mapping[str, Any] | None) -> OrderedDict[str, Any]:
+def _raw_metadata(wrapper: nn.Module, metadata: Mapping[str, Any] | None) -> OrderedDict[str, Any]:
     """``_metadata`` (module versions) re-keyed from clean module paths to the wrapped tree's."""
     result: OrderedDict[str, Any] = OrderedDict()
     if not metadata:
         return result
     for path, _ in wrapper.named_modules():
-        clean = _clean_module_path(path)
+        clean = clean_module_path(path)
         if clean in metadata:
             result[path] = metadata[clean]
         elif path in metadata:

@@ -11,6 +11,7 @@ runtime controls ``no_sync`` / ``clip_grad_norm_`` / ``summon_full_params`` / co
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
@@ -19,32 +20,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _orig_params, _runtime, _state_dict
-from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, warn_once
-from ._init_utils import (
-    MetaMaterializer,
-    broadcast_from_rank0,
-    check_container_has_no_own_params,
-    check_module,
-    check_not_shared_with_another_root,
-    is_forwardless_container,
-    remember_sharded,
-    resolve_ignored_states,
-)
+from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, clean_name, warn_once
+from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_container_has_no_own_params, check_module,
+                          check_not_shared_with_another_root, is_forwardless_container, remember_sharded,
+                          resolve_ignored_states)
 from ._mesh import build_mesh, resolve_device
+from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
-from .api import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    OptimStateDictConfig,
-    OptimStateKeyType,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-    coerce_enum,
-    coerce_optional_config,
-)
+from ._unit_state import STATE_ATTR, UnitState, state_of, units_in
+from .api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
+                  ShardingStrategy, StateDictConfig, StateDictType, coerce_enum, coerce_optional_config)
 from .wrap import apply_wrapping, plan_wrapping
 
 # OptimStateKeyType is re-exported: FSDP1 users import it from this module too.
@@ -59,6 +44,42 @@ _RESHARD_AFTER_FORWARD: dict[ShardingStrategy, bool | None] = {
     ShardingStrategy._HYBRID_SHARD_ZERO2: False,
     ShardingStrategy.NO_SHARD: False,
 }
+
+
+class _OnState:
+    """An FSDP1 attribute of the wrapper, held by its :class:`UnitState` (same name, no leading ``_``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name.lstrip("_")
+
+    def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
+        return self if wrapper is None else getattr(state_of(wrapper), self.field)
+
+    def __set__(self, wrapper: Any, value: Any) -> None:
+        setattr(state_of(wrapper), self.field, value)
+
+
+def _warn_about_moot_options(limit_all_gathers: bool, backward_prefetch: BackwardPrefetch | None) -> None:
+    if not limit_all_gathers:
+        warn_once("limit_all_gathers", "limit_all_gathers=False has no effect: the FSDP2 engine "
+                  "always limits in-flight all-gathers (see README, 'Argument mapping').")
+    if backward_prefetch is not BackwardPrefetch.BACKWARD_PRE:
+        warn_once("backward_prefetch", f"backward_prefetch={backward_prefetch} is treated "
+                  "as BACKWARD_PRE: the FSDP2 engine prefetches the next unit before the current "
+                  "unit's gradient computation. Results are unchanged; only overlap differs.")
+
+
+def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
+    """Wrap a submodule chosen by the auto-wrap policy, with the ignored states inside it
+    (given the way the user gave them: as modules, or as parameters)."""
+    if parent.ignored_modules:
+        inside = set(child.modules())
+        ignored = [m for m in parent.ignored_modules if m in inside and m is not child]
+        top_level = [m for m in ignored if not any(m in set(o.children()) for o in ignored)]
+        return FullyShardedDataParallel(child, ignored_modules=top_level or None, **kwargs)
+    inside_params = set(child.parameters())
+    ignored_params = [p for p in parent.ignored_params if p in inside_params]
+    return FullyShardedDataParallel(child, ignored_states=ignored_params or None, **kwargs)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -110,124 +131,87 @@ class FullyShardedDataParallel(nn.Module):
                 "Cannot pass both process_group and device_mesh at the same time. "
                 "Please just pass only one of them."
             )
-        self.sharding_strategy = coerce_enum(
-            sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD,
-            ShardingStrategy, "sharding_strategy")
-        self.cpu_offload = coerce_optional_config(cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
-        self.mixed_precision = coerce_optional_config(mixed_precision, MixedPrecision, "mixed_precision")
-        self.backward_prefetch = (None if backward_prefetch is None else
-                                  coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch"))
-        self.forward_prefetch = bool(forward_prefetch)
-        self.limit_all_gathers = bool(limit_all_gathers)
-        self._use_orig_params = bool(use_orig_params)
-        self._sync_module_states = bool(sync_module_states)
-        self._warn_about_moot_options()
+        strategy = coerce_enum(sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD,
+                               ShardingStrategy, "sharding_strategy")
+        cpu_offload = coerce_optional_config(cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
+        mixed_precision = coerce_optional_config(mixed_precision, MixedPrecision, "mixed_precision")
+        if backward_prefetch is not None:
+            backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+        _warn_about_moot_options(bool(limit_all_gathers), backward_prefetch)
+        ignored_modules, ignored_params = resolve_ignored_states(module, ignored_modules, ignored_states)
+        check_not_shared_with_another_root(module, ignored_params)
+        compute_device = resolve_device(device_id, process_group)
+        self.__dict__[STATE_ATTR] = state = UnitState(
+            wrapper=self, sharding_strategy=strategy, cpu_offload=cpu_offload, mixed_precision=mixed_precision,
+            backward_prefetch=backward_prefetch, forward_prefetch=bool(forward_prefetch),
+            limit_all_gathers=bool(limit_all_gathers), use_orig_params=bool(use_orig_params),
+            sync_module_states=bool(sync_module_states), ignored_modules=ignored_modules,
+            ignored_params=ignored_params, compute_device=compute_device,
+            device_mesh=build_mesh(strategy, process_group, device_mesh, compute_device))
 
-        self._ignored_modules, self._ignored_params = resolve_ignored_states(
-            module, ignored_modules, ignored_states, FullyShardedDataParallel)
-        check_not_shared_with_another_root(module, self._ignored_params, FullyShardedDataParallel)
-        self.compute_device = resolve_device(device_id, process_group)
-        self._device_mesh = build_mesh(self.sharding_strategy, process_group, device_mesh,
-                                       self.compute_device)
-        self.process_group = self._device_mesh.get_group(self._device_mesh.ndim - 1)
-        self.rank = self.process_group.rank()
-        self.world_size = self.process_group.size()
-
-        materializer = MetaMaterializer(self.compute_device, self._ignored_modules, param_init_fn)
+        materializer = MetaMaterializer(compute_device, ignored_modules, param_init_fn)
         if auto_wrap_policy is not None:
             child_kwargs = dict(
-                sharding_strategy=self.sharding_strategy, cpu_offload=self.cpu_offload,
-                backward_prefetch=self.backward_prefetch, mixed_precision=self.mixed_precision,
-                device_id=device_id, sync_module_states=self._sync_module_states,
+                sharding_strategy=strategy, cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+                device_id=device_id, sync_module_states=state.sync_module_states,
                 forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params, device_mesh=self._device_mesh,
+                use_orig_params=use_orig_params, device_mesh=state.device_mesh,
                 param_init_fn=param_init_fn,
             )
-            self._wrap_nested_units(module, auto_wrap_policy, child_kwargs, materializer)
+            individually_wrapped = _mixed_precision.prepare_individually_wrapped(module, mixed_precision)
+            targets = plan_wrapping(module, auto_wrap_policy, ignored_modules, ignored_params, child_kwargs,
+                                    individually_wrapped)
+            # A meta-device model is materialised module by module in pre-order while each planned
+            # unit is sharded as soon as its subtree is ready: besides the root's own states, at most
+            # one unit is ever unsharded.
+            apply_wrapping(module, targets, functools.partial(_wrap_child, state),
+                           before_visit=materializer.materialize_own_states)
         materializer.materialize_unit(module)
-        if self._sync_module_states:
-            broadcast_from_rank0(module, self._device_mesh, self._ignored_modules, self._ignored_params)
+        if state.sync_module_states:
+            broadcast_from_rank0(module, state.device_mesh, ignored_modules, ignored_params)
 
         self._fsdp_wrapped_module = module
-        self._is_root: bool | None = True
-        self.training_state = TrainingState.IDLE
-        self._forward_order: list[FullyShardedDataParallel] | None = None
-        for nested in self._nested_wrappers():
-            nested._is_root = False
-        _state_dict.init_state_dict_settings(self)
-        _runtime.init_runtime_state(self)
+        for nested in units_in(module):
+            nested.is_root = False
+        # FSDP1 records these per unit, with clean names relative to the unit, before any cast.
+        state.buffer_name_to_orig_dtype = {clean_name(name): buffer.dtype for name, buffer in self.named_buffers()}
+        register_load_hooks(self)
         if is_forwardless_container(module):
             # FSDP1 lets a policy wrap a ModuleList whose children are all wrapped (the wrapper is
             # then only iterated, never called); the engine refuses such containers, and with no
             # parameters of their own they need no engine unit.
-            check_container_has_no_own_params(module, self._ignored_params)
+            check_container_has_no_own_params(module, ignored_params)
         else:
-            self._apply_engine(module)
-        _mixed_precision.init_unit(self)
+            _engine.apply_engine(
+                module,
+                mesh=state.device_mesh,
+                replicate_only=strategy == ShardingStrategy.NO_SHARD,
+                reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy],
+                mp_policy=_mixed_precision.engine_policy(state.mixed_precision),
+                offload_policy=_mixed_precision.engine_offload_policy(state.cpu_offload, compute_device),
+                ignored_params=ignored_params,
+            )
+            remember_sharded(module)
+        _mixed_precision.init_unit(state)
         _orig_params.remember_replacements(original_params)
 
-    def _apply_engine(self, module: nn.Module) -> None:
-        _engine.apply_engine(
-            module,
-            mesh=self._device_mesh,
-            replicate_only=self.sharding_strategy == ShardingStrategy.NO_SHARD,
-            reshard_after_forward=_RESHARD_AFTER_FORWARD[self.sharding_strategy],
-            mp_policy=_mixed_precision.engine_policy(self.mixed_precision),
-            offload_policy=_mixed_precision.engine_offload_policy(self.cpu_offload, self.compute_device),
-            ignored_params=self._ignored_params,
-        )
-        remember_sharded(module)
+    # FSDP1's attributes, which third-party code reads on the wrapper, held by its unit state.
+    (sharding_strategy, cpu_offload, mixed_precision, backward_prefetch, forward_prefetch, limit_all_gathers,
+     _use_orig_params, _sync_module_states, _ignored_modules, _ignored_params, compute_device, _device_mesh,
+     process_group, rank, world_size, _is_root, training_state, _state_dict_type, _state_dict_config,
+     _optim_state_dict_config, _comm_hook, _comm_hook_state,
+     _buffer_name_to_orig_dtype) = (_OnState() for _ in range(23))
 
-    # ------------------------------------------------------------------------------------------
-    # Construction helpers
-    # ------------------------------------------------------------------------------------------
-
-    def _wrap_nested_units(self, module: nn.Module, auto_wrap_policy: Any, child_kwargs: dict[str, Any],
-                           materializer: MetaMaterializer) -> None:
-        """Apply the auto-wrap policy: the planned submodules become nested wrappers, bottom-up."""
-        individually_wrapped = _mixed_precision.prepare_individually_wrapped(module, self.mixed_precision)
-        targets = plan_wrapping(module, auto_wrap_policy, self._ignored_modules, self._ignored_params,
-                                child_kwargs, individually_wrapped)
-        # A meta-device model is materialised module by module in pre-order while each planned
-        # unit is sharded as soon as its subtree is ready: besides the root's own states, at most
-        # one unit is ever unsharded.
-        apply_wrapping(module, targets, self._wrap_child, before_visit=materializer.materialize_own_states)
-
-    def _wrap_child(self, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
-        """Wrap a submodule chosen by the auto-wrap policy, with the ignored states inside it
-        (given the way the user gave them: as modules, or as parameters)."""
-        if self._ignored_modules:
-            inside = set(child.modules())
-            ignored = [m for m in self._ignored_modules if m in inside and m is not child]
-            top_level = [m for m in ignored if not any(m in set(o.children()) for o in ignored)]
-            return FullyShardedDataParallel(child, ignored_modules=top_level or None, **kwargs)
-        inside_params = set(child.parameters())
-        ignored_params = [p for p in self._ignored_params if p in inside_params]
-        return FullyShardedDataParallel(child, ignored_states=ignored_params or None, **kwargs)
-
-    def _warn_about_moot_options(self) -> None:
-        if not self.limit_all_gathers:
-            warn_once("limit_all_gathers", "limit_all_gathers=False has no effect: the FSDP2 engine "
-                      "always limits in-flight all-gathers (see README, 'Argument mapping').")
-        if self.backward_prefetch is not BackwardPrefetch.BACKWARD_PRE:
-            warn_once("backward_prefetch", f"backward_prefetch={self.backward_prefetch} is treated "
-                      "as BACKWARD_PRE: the FSDP2 engine prefetches the next unit before the current "
-                      "unit's gradient computation. Results are unchanged; only overlap differs.")
-
-    def _nested_wrappers(self) -> Iterator[FullyShardedDataParallel]:
-        for submodule in self._fsdp_wrapped_module.modules():
-            if isinstance(submodule, FullyShardedDataParallel):
-                yield submodule
-
-    # ------------------------------------------------------------------------------------------
-    # nn.Module surface: names and attribute forwarding, as FSDP1
-    # ------------------------------------------------------------------------------------------
+    @property
+    def _unit(self) -> UnitState:
+        return self.__dict__[STATE_ATTR]
 
     @property
     def module(self) -> nn.Module:
         """The wrapped module; as in FSDP1, the innermost one when activation checkpointing was
         applied after wrapping (that module is also the engine unit)."""
-        return _engine.engine_module(self._fsdp_wrapped_module)
+        return self._unit.module
 
     def __getattr__(self, name: str) -> Any:
         """Forward missing attributes to the wrapped module."""
@@ -244,86 +228,50 @@ class FullyShardedDataParallel(nn.Module):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters``; inside ``summon_full_params`` the names are clean."""
-        clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        clean = self._unit.training_state == TrainingState.SUMMON_FULL_PARAMS
         for name, param in super().named_parameters(*args, **kwargs):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """``nn.Module.named_buffers``; inside ``summon_full_params`` the names are clean."""
-        clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        clean = self._unit.training_state == TrainingState.SUMMON_FULL_PARAMS
         for name, buffer in super().named_buffers(*args, **kwargs):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
 
     # FSDP1's private flat-parameter names, which third-party code (accelerate) reads: views of
     # this unit's own sharded parameters, honouring the dtype upcast clients write (``_flat_param_view``).
-    _has_params = property(_flat_param_view.has_params)
-    _flat_param = property(_flat_param_view.flat_param)
-    _handle = property(_flat_param_view.handle)
+    _has_params = property(lambda self: _flat_param_view.has_params(self._unit))
+    _flat_param = property(lambda self: _flat_param_view.flat_param(self._unit))
+    _handle = property(lambda self: _flat_param_view.handle(self._unit))
 
     def check_is_root(self) -> bool:
         """Whether this instance is a root (no enclosing ``FullyShardedDataParallel``)."""
-        return bool(self._is_root)
+        return bool(self._unit.is_root)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """All ``FullyShardedDataParallel`` instances in ``module`` (itself included), pre-order."""
-        return [m for m in module.modules()
-                if isinstance(m, FullyShardedDataParallel) and (not root_only or m._is_root)]
+        return [unit.wrapper for unit in units_in(module) if not root_only or unit.is_root]  # type: ignore[misc]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` on full parameters; edits are kept (written back to the shards)."""
-        return _runtime.apply_with_full_params(self, fn)
-
-    # ------------------------------------------------------------------------------------------
-    # Forward
-    # ------------------------------------------------------------------------------------------
+        with _runtime.summon_full_params(self, recurse=False, writeback=True):
+            nn.Module.apply(self, fn)  # nested wrappers are reached by its recursion, each summoning itself
+        return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; the engine's hooks all-gather and reshard around it."""
+        unit = self._unit
         with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
-            if self._is_root:
-                args, kwargs = self._root_pre_forward(args, kwargs)
-            self._record_forward_order()
+            if unit.is_root:
+                args, kwargs = _runtime.root_pre_forward(unit, args, kwargs)
+            if unit.order_recorder is not None:  # the first forward: record the order
+                unit.order_recorder.append(unit)
+                unit.order_recorder = None
             return self._fsdp_wrapped_module(*args, **kwargs)
 
-    def _root_pre_forward(self, args: tuple[Any, ...],
-                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        units = self.fsdp_modules(self)  # walked once per step, shared by the steps below
-        _runtime.check_idle_for_forward(units)
-        _runtime.recover_interrupted_iteration(self)
-        if self._forward_order is None:
-            # First iteration: record the units' forward order for ``forward_prefetch``.
-            self._forward_order = []
-            for unit in units:
-                unit._order_recorder = self._forward_order
-        elif any(unit.forward_prefetch for unit in units):
-            _runtime.configure_forward_prefetch(self._forward_order)
-        return _mixed_precision.root_pre_forward(self, units, args, kwargs)
-
-    def _record_forward_order(self) -> None:
-        recorder = self.__dict__.pop("_order_recorder", None)
-        if recorder is not None:
-            recorder.append(self)
-
-    # ------------------------------------------------------------------------------------------
-    # State dicts (FULL / LOCAL / SHARDED)
-    # ------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def set_state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> StateDictSettings:
-        """Set the state-dict type of every instance in ``module``; returns the previous settings."""
-        return _state_dict.set_state_dict_type(module, state_dict_type, state_dict_config,
-                                               optim_state_dict_config)
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The state-dict settings of ``module``'s instances; raises if they disagree."""
-        return _state_dict.get_state_dict_type(module)
+    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
+    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
 
     @staticmethod
     @contextlib.contextmanager
@@ -334,8 +282,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Generator[None, None, None]:
         """Context manager form of :meth:`set_state_dict_type`; restores the previous settings."""
-        previous = FullyShardedDataParallel.set_state_dict_type(
-            module, state_dict_type, state_dict_config, optim_state_dict_config)
+        previous = _state_dict.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                                   optim_state_dict_config)
         try:
             yield
         finally:
@@ -344,34 +292,18 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, Any]:
         """The model state in the current state-dict type, with FSDP1's clean keys."""
-        return _state_dict.state_dict(self, *args, destination=destination, prefix=prefix,
+        return _state_dict.state_dict(self._unit, *args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict of the current type; on any error the model is left unchanged."""
-        return _state_dict.load_state_dict(self, state_dict, strict=strict, assign=assign)
+        return _state_dict.load_state_dict(self._unit, state_dict, strict=strict, assign=assign)
 
-    # ------------------------------------------------------------------------------------------
-    # Runtime controls
-    # ------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def summon_full_params(
-        module: nn.Module,
-        recurse: bool = True,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        with_grads: bool = False,
-    ) -> contextlib.AbstractContextManager[None]:
-        """Expose full (unsharded) parameters on the original modules inside the context."""
-        return _runtime.summon_full_params(module, recurse=recurse, writeback=writeback,
-                                           rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-                                           with_grads=with_grads)
+    summon_full_params = staticmethod(_runtime.summon_full_params)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally, without communication, inside the context (root only)."""
-        return _runtime.no_sync(self)
+        return _runtime.no_sync(self._unit)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
@@ -380,11 +312,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Register a gradient communication hook on every unit of this root."""
-        _runtime.register_comm_hook(self, state, hook)
-
-    # ------------------------------------------------------------------------------------------
-    # Optimizer state (static, as FSDP1)
-    # ------------------------------------------------------------------------------------------
+        _runtime.register_comm_hook(self._unit, state, hook)
 
     full_optim_state_dict = staticmethod(_optim_state.full_optim_state_dict)
     sharded_optim_state_dict = staticmethod(_optim_state.sharded_optim_state_dict)

@@ -184,3 +184,73 @@ def test_library_never_imports_fsdp1(path: pathlib.Path) -> None:
         if fsdp1_module or fsdp1_name or private_fsdp:
             offending.append(f"{_location(path, line)} imports {full}")
     assert not offending, "the library must not run on FSDP1's code:\n" + "\n".join(offending)
+
+
+# The user-facing entry points built on the class; every other module is a feature the class uses.
+ABOVE_THE_CLASS = {"__init__", "fully_sharded_data_parallel", "patch", "convert", "run", "testing", "demo", "examples"}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
+MODULES = {_module_name(path): path for path in LIBRARY}
+
+
+def _package_imports(path: pathlib.Path) -> dict[str, int]:
+    """The package modules ``path`` imports -> first line: top-level, ``TYPE_CHECKING`` and
+    function-local imports alike (``from . import a`` names module ``a``, else the package)."""
+    found: dict[str, int] = {}
+    package = _module_name(path).split(".")[:-1]
+    for node in ast.walk(_tree(path)):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name.removeprefix("fsdp_compat").lstrip(".") or "__init__"
+                       for alias in node.names if alias.name.split(".")[0] == "fsdp_compat"]
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fsdp_compat")):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = (node.module or "").removeprefix("fsdp_compat").lstrip(".") if not node.level else node.module
+            prefix = ".".join(base + ([module] if module else []))
+            candidates = [f"{prefix}.{alias.name}" if prefix else alias.name for alias in node.names]
+            targets = [c for c in candidates if c in MODULES] or [prefix or "__init__"]
+        for target in targets:
+            found.setdefault(target if target in MODULES else target + ".__init__", node.lineno)
+    return found
+
+
+def _cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import cycle in ``graph`` (depth-first search), or ``None``."""
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        stack.append(module)
+        for imported in graph.get(module, {}):
+            if state.get(imported) == "open":
+                return stack[stack.index(imported):] + [imported]
+            if imported not in state and (found := visit(imported)):
+                return found
+        state[module] = "done"
+        stack.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def test_package_has_no_import_cycles() -> None:
+    graph = {name: _package_imports(path) for name, path in MODULES.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(
+        f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - ABOVE_THE_CLASS))
+def test_feature_module_never_imports_the_wrapper_class(name: str) -> None:
+    """Features take a unit's state (``_unit_state``), so the class module sits on top of them."""
+    line = _package_imports(MODULES[name]).get("fully_sharded_data_parallel")
+    assert line is None, (f"fsdp_compat/{name}.py:{line} imports fully_sharded_data_parallel; take a "
+                          "UnitState (fsdp_compat/_unit_state.py) and ask state_of() instead")

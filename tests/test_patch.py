@@ -201,10 +201,12 @@ LIGHTNING_CHECK_SOURCE = "def _has_dtensor_modules(module):\n    return True  # 
 
 
 def _model_holding_our_unit() -> nn.Module:
-    # One of our units as far as isinstance can tell, built without a process group.
-    unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
-    nn.Module.__init__(unit)
-    return nn.Sequential(nn.Linear(2, 2), unit)
+    # One of our units, built on a one-process group that is only needed while it is built.
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        return nn.Sequential(nn.Linear(2, 2), FullyShardedDataParallel(nn.Linear(2, 2)))
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_lightning_fsdp2_check_says_no_for_our_units_while_switched(monkeypatch):

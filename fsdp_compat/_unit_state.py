@@ -1,0 +1,98 @@
+"""What one wrapper (one engine unit) is: every field, in one dataclass, made by the wrapper's ``__init__``.
+
+Feature modules take a :class:`UnitState` (or a root's list of them) and never the wrapper class;
+the wrapper keeps FSDP1's attribute names (``sharding_strategy``, ``_is_root``...) as properties
+over it. "Is this module a wrapper?" is asked only through :func:`state_of`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import _engine
+from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path
+from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
+                  OptimStateDictConfig, ShardingStrategy, StateDictConfig, StateDictType)
+
+# Looked up in the instance's own ``__dict__``: modules that forward unknown attributes to an inner
+# module (PEFT's, accelerate's) must not pass for the wrapper they hold.
+STATE_ATTR = "_fsdp_compat_state"
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class UnitState:
+    """One wrapper's state, as FSDP2's ``FSDPState`` is one ``fully_shard`` unit's."""
+
+    wrapper: nn.Module  # the FullyShardedDataParallel instance: its tree's names carry the prefixes
+    sharding_strategy: ShardingStrategy
+    cpu_offload: CPUOffload
+    mixed_precision: MixedPrecision | None
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    use_orig_params: bool  # decides only FSDP1 checkpoint layouts: parameters are always the originals
+    sync_module_states: bool
+    ignored_modules: set[nn.Module]
+    ignored_params: set[nn.Parameter]
+    compute_device: torch.device
+    device_mesh: DeviceMesh
+    process_group: dist.ProcessGroup = dataclasses.field(init=False)  # the shard group (last mesh dim)
+    rank: int = dataclasses.field(init=False)  # in the shard group
+    world_size: int = dataclasses.field(init=False)
+    is_root: bool | None = True  # False once an enclosing wrapper is built around this one
+    training_state: TrainingState = TrainingState.IDLE
+    # forward_prefetch: the root's units in its first forward's order, each appending itself to
+    # the list its ``order_recorder`` names once.
+    forward_order: list[UnitState] | None = None
+    order_recorder: list[UnitState] | None = None
+    state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
+    state_dict_config: StateDictConfig = dataclasses.field(default_factory=FullStateDictConfig)
+    optim_state_dict_config: OptimStateDictConfig = dataclasses.field(default_factory=FullOptimStateDictConfig)
+    comm_hook: Callable[..., Any] | None = None
+    comm_hook_state: object = None
+    # Clean buffer name (relative to the unit) -> dtype at construction, before any buffer_dtype cast.
+    buffer_name_to_orig_dtype: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    buffers_cast_for_computation: bool = False  # the root's: done at its first forward
+    handle_view: Any = None  # FSDP1's ``_handle`` stand-in (``_flat_param_view``), made on first use
+
+    def __post_init__(self) -> None:
+        self.process_group = self.device_mesh.get_group(self.device_mesh.ndim - 1)
+        self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
+
+    @property
+    def wrapped(self) -> nn.Module:
+        """``_fsdp_wrapped_module``: read each time, activation checkpointing may replace it."""
+        return getattr(self.wrapper, FSDP_WRAPPED_MODULE)
+
+    @property
+    def module(self) -> nn.Module:
+        """The engine unit: the wrapped module, inside any activation-checkpoint wrappers."""
+        return _engine.engine_module(self.wrapped)
+
+
+def state_of(module: Any) -> UnitState | None:
+    """The unit state of ``module`` if it is a wrapper, else ``None``."""
+    return getattr(module, "__dict__", {}).get(STATE_ATTR)
+
+
+def units_in(module: nn.Module) -> list[UnitState]:
+    """The states of every wrapper in ``module`` (itself included), pre-order."""
+    return [state for sub in module.modules() if (state := state_of(sub)) is not None]
+
+
+def wrappers_in(module: nn.Module) -> list[Any]:
+    """Every wrapper in ``module`` (itself included), pre-order (typed ``Any``: FSDP1's attributes)."""
+    return [unit.wrapper for unit in units_in(module)]
+
+
+def units_with_paths(root: nn.Module) -> list[tuple[str, UnitState]]:
+    """Each unit in ``root`` with its clean module path relative to ``root`` (``""``: root), pre-order."""
+    return [(clean_module_path(path), state) for path, sub in root.named_modules()
+            if (state := state_of(sub)) is not None]
