@@ -15,7 +15,7 @@ import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,7 @@ try:
         unsafe_setattr_param,
     )
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 except ImportError as _error:
     raise _missing_engine_piece(f"a piece fsdp_compat imports ({_error})") from _error
 
@@ -159,6 +160,7 @@ def apply_engine(
     ``replicate_only`` selects the engine's replicate (all-reduce, no sharding) for ``NO_SHARD``.
     ``reshard_after_forward=None`` lets the engine decide: resharded unless it is the root.
     """
+    unit: FSDPModule
     if replicate_only:
         unit = replicate(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
                          ignored_params=ignored_params)
@@ -188,7 +190,7 @@ def apply_engine(
 _ACCUMULATION_MARK = "_fsdp_compat_accumulates_in_compute_dtype"
 
 
-def _accumulate_in_compute_dtype(group: Any) -> None:
+def _accumulate_in_compute_dtype(group: FSDPParamGroup) -> None:
     """Make ``group`` accumulate unreduced gradients in the compute dtype from now on (idempotent)."""
     init_mp_dtypes = group._init_mp_dtypes
     if getattr(init_mp_dtypes, _ACCUMULATION_MARK, False):
@@ -200,10 +202,10 @@ def _accumulate_in_compute_dtype(group: Any) -> None:
         _set_compute_dtype_accumulation(group)
 
     setattr(init_mp_dtypes_then_compute_dtype_accumulation, _ACCUMULATION_MARK, True)
-    group._init_mp_dtypes = init_mp_dtypes_then_compute_dtype_accumulation
+    group._init_mp_dtypes = init_mp_dtypes_then_compute_dtype_accumulation  # type: ignore[method-assign]
 
 
-def _set_compute_dtype_accumulation(group: Any) -> None:
+def _set_compute_dtype_accumulation(group: FSDPParamGroup) -> None:
     changed = set()
     for fsdp_param in group.fsdp_params:
         compute_dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
@@ -216,23 +218,24 @@ def _set_compute_dtype_accumulation(group: Any) -> None:
             unsharded.grad_dtype = compute_dtype
     wider = getattr(group, "_fsdp_params_with_wider_grad_dtype", None)  # torch >= 2.15
     if wider is not None:
-        group._fsdp_params_with_wider_grad_dtype = [p for p in wider if id(p) not in changed]
+        group._fsdp_params_with_wider_grad_dtype = [  # type: ignore[attr-defined]
+            p for p in wider if id(p) not in changed]
 
 
-def engine_state(module: nn.Module) -> Any | None:
+def engine_state(module: nn.Module | FSDPModule) -> FSDPState | None:
     """The engine's per-unit state of ``module`` (an ``FSDPState``), or ``None``."""
     if not isinstance(module, FSDPModule):
         return None
     return module._get_fsdp_state()
 
 
-def param_groups(module: nn.Module) -> list[Any]:
+def param_groups(module: nn.Module | FSDPModule) -> list[FSDPParamGroup]:
     """The engine parameter groups (``FSDPParamGroup``) of the unit ``module`` (may be empty)."""
     state = engine_state(module)
     return list(state._fsdp_param_groups) if state is not None else []
 
 
-def managed_params(module: nn.Module) -> Iterator[Any]:
+def managed_params(module: nn.Module) -> Iterator[FSDPParam]:
     """The engine's per-parameter records (``FSDPParam``) of the unit ``module``."""
     for group in param_groups(module):
         yield from group.fsdp_params
@@ -250,9 +253,9 @@ def reset_iteration(module: nn.Module) -> None:
         module.reset_iter_state()
 
 
-def sharded_params(module: nn.Module) -> list[nn.Parameter]:
+def sharded_params(module: nn.Module) -> list[DTensor]:
     """The unit's sharded parameters (``DTensor`` nn.Parameters), in the engine's order."""
-    return [fsdp_param.sharded_param for fsdp_param in managed_params(module)]
+    return [cast(DTensor, fsdp_param.sharded_param) for fsdp_param in managed_params(module)]
 
 
 @torch.no_grad()
@@ -305,20 +308,20 @@ def set_gradient_sync_flags(module: nn.Module, flags: list[GradientSyncFlags]) -
 ParamSlot = tuple[nn.Module, str]
 
 
-def unit_param_slots(module: nn.Module) -> list[tuple[nn.Parameter, list[ParamSlot]]]:
+def unit_param_slots(module: nn.Module) -> list[tuple[DTensor, list[ParamSlot]]]:
     """Each parameter the unit ``module`` manages: its sharded (DTensor) parameter and every
     ``(submodule, attribute name)`` it is registered under (several for a tied weight)."""
     result = []
     for fsdp_param in managed_params(module):
         info = fsdp_param._module_info
         slots = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
-        result.append((fsdp_param.sharded_param, slots))
+        result.append((cast(DTensor, fsdp_param.sharded_param), slots))
     return result
 
 
-def register_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+def register_param(module: nn.Module, name: str, param: nn.Parameter | DTensor) -> None:
     """Register ``param`` as ``module.<name>`` the way the engine swaps sharded/unsharded ones."""
-    unsafe_setattr_param(module, name, param)
+    unsafe_setattr_param(module, name, cast(nn.Parameter, param))
 
 
 @contextlib.contextmanager
@@ -329,12 +332,12 @@ def forward_hooks_suspended(module: nn.Module) -> Iterator[None]:
     ``param_dtype``, all-gather low-precision parameters over the summoned ones and reshard them.
     The hook dicts are ``nn.Module``'s; ``fully_shard`` keeps no public way to disable its hooks."""
     state = engine_state(module)
-    handles = [] if state is None else [getattr(state, "_pre_forward_hook_handle", None),
-                                        getattr(state, "_post_forward_hook_handle", None)]
+    handles = [] if state is None else [getattr(state, name, None) for name in
+                                        ("_pre_forward_hook_handle", "_post_forward_hook_handle")]
     taken = []
     for handle in handles:  # grouped units (several modules) use another handle type: left alone
         hooks = getattr(handle, "hooks_dict_ref", lambda: None)()
-        if hooks is not None and handle.id in hooks:
+        if handle is not None and hooks is not None and handle.id in hooks:
             taken.append((hooks, list(hooks), handle.id, hooks.pop(handle.id)))
     try:
         yield
@@ -436,18 +439,19 @@ def install_comm_hook(module: nn.Module, hook: Callable[..., Any], state: object
     groups = param_groups(module)
     if not groups:
         return
-    module.set_gradient_divide_factor(1.0)
-    module.set_force_sum_reduction_for_comms(True)  # with factor 1: no pre/post division at all
+    unit = cast(FSDPModule, module)
+    unit.set_gradient_divide_factor(1.0)
+    unit.set_force_sum_reduction_for_comms(True)  # with factor 1: no pre/post division at all
     if all(isinstance(group.mesh_info, FSDPMeshInfo) for group in groups):
-        module.set_custom_reduce_scatter(_CommHookReduceScatter(hook, state))
+        unit.set_custom_reduce_scatter(_CommHookReduceScatter(hook, state))
         return
     # ``replicate`` has no pluggable all-reduce, only a hook run after it: point its
     # all-reduce at a one-rank group and let the FSDP1 hook be the real communication.
     for group in groups:
-        mesh_info = copy.copy(group.mesh_info)
+        mesh_info: Any = copy.copy(group.mesh_info)
         mesh_info.replicate_process_group = _group_of_this_rank_only()
         group.mesh_info = mesh_info
-    module.set_all_reduce_hook(lambda grad, hook=hook, state=state: hook(state, grad))
+    unit.set_all_reduce_hook(functools.partial(hook, state))
 
 
 # ---- state dicts (``_state_dict``) ----
@@ -458,7 +462,7 @@ def engine_module(module: nn.Module) -> nn.Module:
     activation-checkpoint wrappers that ``apply_activation_checkpointing`` put around it after
     wrapping (FSDP1 recipes do this); the engine's state lives on the inner module."""
     while not isinstance(module, FSDPModule) and hasattr(module, "_checkpoint_wrapped_module"):
-        module = module._checkpoint_wrapped_module
+        module = cast(nn.Module, module._checkpoint_wrapped_module)
     return module
 
 

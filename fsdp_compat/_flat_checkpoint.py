@@ -81,7 +81,8 @@ def plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[FlatUnit]
     Local: no communication. Every unit of ``root`` with sharded parameters needs its flat
     parameter, laid out as this model's unit would be by FSDP1 at this world size.
     """
-    units, errors = [], []
+    units: list[FlatUnit] = []
+    errors: list[str] = []
     expected_keys = set()
     for path, unit in units_with_paths(root.wrapper):
         slots = _engine.unit_param_slots(unit.module)
@@ -94,7 +95,7 @@ def plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[FlatUnit]
                           f"no flat parameter {key!r} for it")
             continue
         flat_unit, error = _match(unit, _in_fsdp1_order(unit, slots), path, key, state_dict[key])
-        if error:
+        if flat_unit is None:
             errors.append(error)
         else:
             units.append(flat_unit)
@@ -142,7 +143,7 @@ def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
     return None, _mismatch(key, path, value, own_total, world_size)
 
 
-def _in_fsdp1_order(unit: UnitState, slots: list[tuple[nn.Parameter, list[_engine.ParamSlot]]]
+def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]
                     ) -> list[DTensor]:
     """The unit's sharded parameters in FSDP1's flattening order: pre-order over the unit's
     modules (nested units' subtrees hold none of them), each parameter at its first slot."""

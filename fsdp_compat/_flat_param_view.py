@@ -23,7 +23,7 @@ first forward.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import _engine
 from ._common import clean_name
@@ -36,7 +36,7 @@ class FlatParamView:
     def __init__(self, unit: UnitState) -> None:
         self._unit = unit
 
-    def _params(self) -> list[nn.Parameter]:
+    def _params(self) -> list[DTensor]:
         return _engine.sharded_params(self._unit.module)
 
     def _local_shards(self) -> list[torch.Tensor]:

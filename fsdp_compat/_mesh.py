@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ def build_mesh(
             f"A (intra_node, inter_node) process_group tuple is only valid for hybrid strategies, "
             f"not {strategy}; pass a single process group"
         )
-    group = process_group if process_group is not None else dist.group.WORLD
+    group = cast(dist.ProcessGroup, process_group if process_group is not None else dist.group.WORLD)
     return _cached(("1d", group, device.type), lambda: DeviceMesh.from_group(group, device.type))
 
 

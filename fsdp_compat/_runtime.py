@@ -16,7 +16,7 @@ import math
 import warnings
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,8 @@ def _configure_forward_prefetch(forward_order: list[UnitState]) -> None:
     units = [unit for unit in forward_order if _engine.engine_state(unit.module) is not None]
     for current, following in zip(units, units[1:]):
         if current.forward_prefetch:
-            current.module.set_modules_to_forward_prefetch([following.module])
+            unit = cast(_engine.FSDPModule, current.module)
+            unit.set_modules_to_forward_prefetch([cast(_engine.FSDPModule, following.module)])
 
 
 @contextlib.contextmanager
@@ -134,7 +135,8 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.devic
     by_sharding: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
     for grad in grads:
         dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard()) if isinstance(grad, DTensor) else ()
-        by_sharding.setdefault((grad.device_mesh if dims else None, dims), []).append(_local(grad).detach())
+        mesh = cast(DTensor, grad).device_mesh if dims else None
+        by_sharding.setdefault((mesh, dims), []).append(_local(grad).detach())
     by_sharding[(None, ())] = by_sharding.pop((None, ()), [])  # the unreduced ones last
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (mesh, dims), parts in by_sharding.items():
@@ -186,7 +188,7 @@ def clip_grad_norm_(wrapper: Any, max_norm: float | int,
 class _SummonedParam:
     """One managed parameter while its unit is summoned."""
 
-    sharded: nn.Parameter                 # the engine's sharded DTensor parameter: the truth
+    sharded: DTensor                      # the engine's sharded parameter: the truth
     slots: list[_engine.ParamSlot]        # where it is registered (several for a tied weight)
     registered: nn.Parameter              # what the slots held before (restored on exit)
     full: nn.Parameter | None = None      # what they hold inside; None where this rank keeps shards
@@ -254,7 +256,7 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
     grads: dict[int, torch.Tensor] = {}
     if with_grads:
         with_grad = [i for i, (sharded, _, _) in enumerate(entries) if sharded.grad is not None]
-        gathered = gather_full_tensors([entries[i][0].grad for i in with_grad], unit.compute_device)
+        gathered = gather_full_tensors([cast(DTensor, entries[i][0].grad) for i in with_grad], unit.compute_device)
         grads = dict(zip(with_grad, gathered))
     for index, ((sharded, slots, registered), value) in enumerate(zip(entries, values)):
         item = _SummonedParam(sharded, slots, registered)
@@ -274,7 +276,7 @@ def _unsummon(item: _SummonedParam, writeback: bool, with_grads: bool) -> None:
         if _is_full_value_of(current, item.sharded):
             _write_to_shard(current, item.sharded)
             if with_grads and current.grad is not None and item.sharded.grad is not None:
-                _write_to_shard(current.grad, item.sharded.grad)
+                _write_to_shard(current.grad, cast(DTensor, item.sharded.grad))
     _register(item.slots, item.registered)
 
 

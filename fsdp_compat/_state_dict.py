@@ -105,7 +105,7 @@ def _exact_config(config: Any, base: type, expected: type, argument: str) -> Any
     if config is None:
         return expected()
     try:
-        coerced = coerce_config(config, base, argument)
+        coerced: Any = coerce_config(config, base, argument)
     except TypeError as error:
         raise RuntimeError(str(error)) from None
     if type(coerced) is not expected:
@@ -158,7 +158,7 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
     full = _gather_full_parameters(plans, root.rank)
     restore_dtypes = _mixed_precision.original_buffer_dtypes(root.wrapper)
 
-    result = destination if destination is not None else OrderedDict()
+    result: Any = destination if destination is not None else OrderedDict()
     if destination is None:
         result._metadata = OrderedDict()  # type: ignore[attr-defined]
     if hasattr(result, "_metadata"):
@@ -190,8 +190,8 @@ def _positional_state_dict_args(args: tuple[Any, ...], destination: Any, prefix:
         warnings.warn("Positional args are being deprecated, use kwargs instead. Refer to "
                       "https://pytorch.org/docs/main/generated/torch.nn.Module.html"
                       "#torch.nn.Module.state_dict for details.", FutureWarning, stacklevel=3)
-    names = (destination, prefix, keep_vars)
-    destination, prefix, keep_vars = (*args, *names[len(args):])
+    given: tuple[Any, ...] = (*args, *(destination, prefix, keep_vars)[len(args):])
+    destination, prefix, keep_vars = given
     return destination, prefix, keep_vars
 
 

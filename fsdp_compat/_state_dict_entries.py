@@ -44,7 +44,7 @@ class Entry:
         return self.summoned and self.sharded is not None and not isinstance(self.value, DTensor)
 
 
-def _raw_state_dict(wrapper: nn.Module) -> OrderedDict[str, Any]:
+def _raw_state_dict(wrapper: nn.Module) -> dict[str, Any]:
     token = collecting.set(True)
     try:
         return nn.Module.state_dict(wrapper, keep_vars=True)
@@ -52,7 +52,7 @@ def _raw_state_dict(wrapper: nn.Module) -> OrderedDict[str, Any]:
         collecting.reset(token)
 
 
-def entries_of(root: UnitState) -> tuple[list[Entry], OrderedDict[str, Any]]:
+def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
     """The wrapper's state entries in ``nn.Module.state_dict`` order, and its ``_metadata``."""
     raw = _raw_state_dict(root.wrapper)
     sharded_by_slot = {(id(module), name): sharded

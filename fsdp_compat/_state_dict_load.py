@@ -16,7 +16,7 @@ import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
         # loading writes them and no stale full copy is used afterwards. Summoned units keep their
         # full parameters: loading writes those, and summon's writeback takes it from there.
         if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
-            unit.module.reshard()
+            cast(_engine.FSDPModule, unit.module).reshard()
     entries, _ = entries_of(root)
     state_dict = _as_given_by_distributed_checkpoint(root, state_dict, entries)
     if state_dict_type == StateDictType.LOCAL_STATE_DICT:

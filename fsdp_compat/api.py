@@ -181,7 +181,7 @@ _EnumT = TypeVar("_EnumT", bound=Enum)
 _ConfigT = TypeVar("_ConfigT")
 
 # Every dataclass above, by name: torch's equally named classes convert to these.
-_CONFIG_CLASSES: dict[str, type] = {name: value for name, value in list(globals().items())
+_CONFIG_CLASSES: dict[str, Any] = {name: value for name, value in list(globals().items())
                                     if isinstance(value, type) and dataclasses.is_dataclass(value)}
 
 

@@ -289,7 +289,8 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             _state_dict.restore_state_dict_type(module, previous)
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+    # One signature for nn.Module's overloads, as FSDP1's (positional arguments still accepted).
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, Any]:
         """The model state in the current state-dict type, with FSDP1's clean keys."""
         return _state_dict.state_dict(self._unit, *args, destination=destination, prefix=prefix,
