@@ -150,7 +150,7 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.devic
     return total if infinite else total ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(wrapper: Any, max_norm: float | int,
+def clip_grad_norm_(unit: UnitState, max_norm: float | int,
                     norm_type: float | int = 2.0) -> torch.Tensor:
     """Clip all gradients in place by their total norm over every rank; return that norm.
 
@@ -160,20 +160,20 @@ def clip_grad_norm_(wrapper: Any, max_norm: float | int,
     (gradients' promoted dtype; FP32, with a warning, on a rank without gradients).
     """
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes.
-    with all_ranks_agree(mesh_groups(wrapper._device_mesh), "The clip_grad_norm_() arguments",
+    with all_ranks_agree(mesh_groups(unit.device_mesh), "The clip_grad_norm_() arguments",
                          "no gradient was clipped on any rank"):
-        if not wrapper._is_root:
+        if not unit.is_root:
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
         max_norm, norm_type = _check_clip_args(max_norm, norm_type)
-    grads = [param.grad for param in wrapper.parameters() if param.grad is not None]
-    total = _total_norm(grads, norm_type, wrapper.compute_device)
-    if wrapper.cpu_offload.offload_params:
+    grads = [param.grad for param in unit.wrapper.parameters() if param.grad is not None]
+    total = _total_norm(grads, norm_type, unit.compute_device)
+    if unit.cpu_offload.offload_params:
         total = total.cpu()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         _local(grad).mul_(coefficient.to(grad.device, grad.dtype))
     if not grads:
-        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {wrapper.rank} with no gradients -- "
+        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {unit.rank} with no gradients -- "
                       f"returning the total norm in the default dtype {total.dtype}", stacklevel=3)
         return total
     return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))

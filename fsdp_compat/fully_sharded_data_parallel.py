@@ -309,7 +309,7 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
         """Clip gradients of all parameters (all shards) by their total norm; returns that norm."""
-        return _runtime.clip_grad_norm_(self, max_norm, norm_type)
+        return _runtime.clip_grad_norm_(self._unit, max_norm, norm_type)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Register a gradient communication hook on every unit of this root."""
