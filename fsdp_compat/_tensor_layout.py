@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ._collectives import communication_device
 from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, sharded_tensor_group
-from ._full_tensors import engine_local_rows, gather_full_tensors
+from ._full_tensors import GatherBuffer, engine_local_rows, engine_rows_of_ranks, gather_full_tensors
 
 __all__ = [
     "copy_to",
@@ -25,6 +25,7 @@ __all__ = [
     "is_sharded_tensor",
     "local_copy",
     "same_layout",
+    "scatter_like",
     "shard_like",
     "to_full",
     "to_layout_of",
@@ -68,18 +69,19 @@ def full_tensor(value: DTensor) -> torch.Tensor:
 
 
 def full_tensors(values: list[DTensor], device: torch.device | str | None = None, *,
-                 keep: bool = True) -> list[torch.Tensor]:
+                 keep: bool = True, buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
     """The unsharded values of ``values`` as new memory each, on ``device`` (default: where each
     local shard is), with one all-gather per process group and dtype (``full_tensor`` would issue
-    one per tensor). ``keep=False``: take part, return ``[]``. A collective: every rank of the
-    meshes must call with the same tensors in the same order."""
+    one per tensor). ``keep=False``: take part, return ``[]``. ``buffer``: see
+    ``gather_full_tensors``. A collective: every rank of the meshes must call with the same
+    tensors in the same order."""
     if not values:
         return []
     mesh_device = torch.device(values[0].device_mesh.device_type)
     local_devices = {value.to_local().device for value in values}
     out_device = (torch.device(device) if device is not None
                   else local_devices.pop() if len(local_devices) == 1 else None)
-    fulls = gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep)
+    fulls = gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep, buffer=buffer)
     if out_device is None and keep:  # shards on several devices: each full value goes to its shard's
         fulls = [full.to(value.to_local().device) for value, full in zip(values, fulls)]
     return fulls
@@ -113,6 +115,31 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     local = torch.empty(piece.shape, dtype=full.dtype, device=local_like.device)
     local.copy_(piece)
     return dtensor_like(local, like)
+
+
+def scatter_like(full: torch.Tensor | None, like: DTensor, dtype: torch.dtype, group: Any) -> DTensor | None:
+    """``full`` (given on rank 0 of ``group``, ``None`` elsewhere) laid out as ``like``, each
+    rank receiving only its own rows: one scatter, rank 0 sending each rank its rows alone
+    (a broadcast would send everyone all of it). ``None``, with nothing sent, unless ``like`` has
+    the engine's sharded layout (every rank decides alike). A collective over ``group``."""
+    rows = engine_rows_of_ranks(like, group)
+    if rows is None:
+        return None
+    padded = max(count for _, count in rows)  # gloo scatters equal sizes: short pieces padded
+    shape = (padded, *like.shape[1:])
+    device = communication_device(group)
+    pieces = None
+    if full is not None:
+        full = full.to(device)
+        pieces = [full[start:start + count].contiguous() for start, count in rows]
+        pieces = [piece if len(piece) == padded else torch.cat([piece, piece.new_zeros(padded - len(piece),
+                                                                                       *shape[1:])])
+                  for piece in pieces]
+    received = torch.empty(shape, dtype=dtype, device=device)
+    dist.scatter(received, pieces, group_src=0, group=group)
+    count = rows[dist.get_rank(group)][1]
+    local = received if count == padded else received[:count].clone()
+    return dtensor_like(local.to(like.to_local().device), like)
 
 
 def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
