@@ -173,18 +173,18 @@ def _local_dim0_offset(like: DTensor) -> int:
     shard_dim = _engine_shard_mesh_dim(like)
     if shard_dim is None or shard_dim < 0:
         return 0
-    rank = like.device_mesh.get_local_rank(shard_dim)
+    rank = like.device_mesh.get_coordinate()[shard_dim]  # type: ignore[index]  # cached, unlike get_local_rank
     return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim))
 
 
-def engine_local_rows(like: DTensor) -> tuple[int, int] | None:
-    """``(first row, row count)`` of this rank's piece of ``like`` when it is laid out as the
-    engine lays out parameters (dim-0 ``torch.chunk`` pieces, or replicated); else ``None``.
+def engine_local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | None:
+    """``(first row, row count)`` of this rank's piece ``local`` of ``like`` when it is laid out
+    as the engine lays out parameters (dim-0 ``torch.chunk`` pieces, or replicated); else ``None``.
     Cheaper than DTensor's general local-shape computation, which matters per state tensor."""
     shard_dim = _engine_shard_mesh_dim(like)
     if shard_dim is not None and shard_dim < 0:
         return None
-    return _local_dim0_offset(like), like.to_local().shape[0]
+    return _local_dim0_offset(like), local.shape[0]
 
 
 def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]] | None:

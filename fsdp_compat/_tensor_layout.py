@@ -105,7 +105,7 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     ``torch.chunk`` sharding (uneven and empty shards included) taken from ``like`` itself.
     """
     local_like = like.to_local()
-    rows = engine_local_rows(like)
+    rows = engine_local_rows(like, local_like)
     if rows is not None:  # the engine's layout: a run of rows, found without DTensor's general math
         start, count = rows
         piece = full[start:start + count]
