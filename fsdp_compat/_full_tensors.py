@@ -158,7 +158,7 @@ def sharded_tensor_local_piece(value: torch.Tensor, like: DTensor) -> torch.Tens
     when the two layouts agree (FSDP1's SHARDED checkpoints at the same world size, whose
     ``torch.chunk`` pieces are the engine's); else ``None`` (the caller gathers instead)."""
     local = like.to_local()
-    expected_offset = _local_dim0_offset(like)
+    expected_offset = _local_dim0_offset(like, _engine_shard_mesh_dim(like))
     for shard in value.local_shards():  # type: ignore[attr-defined]
         offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
         if list(sizes) == list(local.shape) and offsets[0] == expected_offset and not any(offsets[1:]):
@@ -168,9 +168,8 @@ def sharded_tensor_local_piece(value: torch.Tensor, like: DTensor) -> torch.Tens
     return None
 
 
-def _local_dim0_offset(like: DTensor) -> int:
-    """Row offset of this rank's piece of an engine-sharded DTensor."""
-    shard_dim = _engine_shard_mesh_dim(like)
+def _local_dim0_offset(like: DTensor, shard_dim: int | None) -> int:
+    """Row offset of this rank's piece of an engine-sharded DTensor (``_engine_shard_mesh_dim``)."""
     if shard_dim is None or shard_dim < 0:
         return 0
     rank = like.device_mesh.get_coordinate()[shard_dim]  # type: ignore[index]  # cached, unlike get_local_rank
@@ -184,7 +183,7 @@ def engine_local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | N
     shard_dim = _engine_shard_mesh_dim(like)
     if shard_dim is not None and shard_dim < 0:
         return None
-    return _local_dim0_offset(like), local.shape[0]
+    return _local_dim0_offset(like, shard_dim), local.shape[0]
 
 
 def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]] | None:
