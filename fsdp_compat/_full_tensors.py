@@ -4,13 +4,9 @@
 
 The engine shards each parameter on dim 0 in ``torch.chunk`` pieces (``Shard(0)`` on the last
 mesh dimension, ``Replicate()`` on the replicate dimension of a hybrid mesh). Gathering a whole
-unit therefore needs one all-gather: each rank writes its pieces (padded to the chunk size) into
-its slot of one buffer, the slots are gathered, and each parameter is cut back out.
-``DTensor.full_tensor()`` would issue one collective per parameter, several times slower on real
-models. On CPU (gloo) the all-gather is one in-place broadcast per rank's slot: gloo's all-gather
-stages through a fresh buffer of the whole output and copies it out, which cost 4x the
-broadcasts' CPU time (measured on 48 MB). One buffer serves every unit of a call
-(``GatherBuffer``): a fresh one per unit costs a page fault per 4 KiB, as much as the copy.
+unit therefore needs one all-gather (``DTensor.full_tensor()`` would issue one per parameter,
+several times slower on real models). On CPU it is one in-place broadcast per rank's slot: gloo's
+all-gather stages through a fresh copy of the whole output (4x the CPU time, measured on 48 MB).
 
 We gather from the sharded master parameters, not through the engine's ``unshard()``: that one
 all-gathers in ``MixedPrecision.param_dtype``, while FSDP1's state dicts hold full precision.
@@ -34,7 +30,8 @@ __all__ = ["GatherBuffer", "engine_local_rows", "engine_rows_of_ranks", "gather_
 
 
 class GatherBuffer:
-    """The gather buffer, shared by the units of one call (largest unit's size) until ``release``."""
+    """One gather buffer for every unit of a call (the largest unit's size), freed by ``release``:
+    a fresh buffer per unit pays a page fault per 4 KiB each time, as much as the copy out."""
 
     def __init__(self) -> None:
         self._bytes: torch.Tensor | None = None
@@ -42,12 +39,11 @@ class GatherBuffer:
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
         if self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device:
-            self.release()  # before allocating: never two buffers at once
+            self.release()  # first: never two buffers at once
             self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._bytes[:nbytes].view(dtype)
 
-    def release(self) -> None:
-        """Free it now, whoever still refers to it (a collective may keep a reference)."""
+    def release(self) -> None:  # now, whoever still refers to it (a collective may keep one)
         if self._bytes is not None:
             self._bytes.untyped_storage().resize_(0)
             self._bytes = None
@@ -125,8 +121,8 @@ def _all_gather_batch(batch: list[DTensor], group: dist.ProcessGroup, device: to
             piece[local.shape[0]:].zero_()  # padding rows (never read back; keeps the buffer defined)
         offset += numel
     if device.type == "cpu":  # gloo: in place, no staging (module docstring)
-        for source in range(world_size):
-            dist.broadcast(by_rank[source], group_src=source, group=group)
+        for owner in range(world_size):
+            dist.broadcast(by_rank[owner], group_src=owner, group=group)
     else:
         _ALL_GATHER(flat_output, by_rank[rank], group=group)
     results, offset = [], 0

@@ -36,7 +36,6 @@ from ._mesh import flatten_to_1d
 from ._optim_state_kinds import StateKinds, check_state_kinds, learn_state_kinds
 from ._tensor_layout import (
     copy_to,
-    full_tensor,
     full_tensors,
     is_replicated_only,
     is_sharded_tensor,
@@ -264,8 +263,7 @@ def _export_value(value: Any, *, sharded: bool, offload: bool) -> Any:
         if sharded and not is_replicated_only(value):
             return local_copy(value, device)
         # FULL, or NO_SHARD's replicated state (FSDP1's SHARDED form holds full tensors there).
-        full = full_tensor(value)
-        return full.cpu() if offload else full
+        return full_tensors([value], device)[0]
     if torch.is_tensor(value):
         return copy_to(value, device)
     return copy.deepcopy(value)
@@ -295,7 +293,8 @@ def _gather_full_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[s
         for name, value in state.items():
             if isinstance(value, DTensor):
                 batches.setdefault((index.unit_of.get(param), name), []).append((param, name))
-    gathered, buffer = {}, GatherBuffer()
+    gathered: dict[tuple[nn.Parameter, str], torch.Tensor] = {}
+    buffer = GatherBuffer()
     for keys in batches.values():
         # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
         # keep nothing only take part in the collective.

@@ -19,7 +19,6 @@ from ._full_tensors import GatherBuffer, engine_local_rows, engine_rows_of_ranks
 
 __all__ = [
     "copy_to",
-    "full_tensor",
     "full_tensors",
     "is_replicated_only",
     "is_sharded_tensor",
@@ -47,32 +46,11 @@ def copy_to(tensor: torch.Tensor, device: torch.device | str | None = None) -> t
     return tensor.detach().to(device if device is not None else tensor.device, copy=True)
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def full_tensor(value: DTensor) -> torch.Tensor:
-    """The unsharded value of ``value`` as new memory, on the device of its local shard.
-
-    A collective over ``value``'s mesh: every rank of it must call. A CPU-offloaded shard on an
-    accelerator mesh is moved to the mesh's device for the all-gather.
-    """
-    local = value.to_local()
-    mesh = value.device_mesh
-    if local.device.type != mesh.device_type:
-        value = DTensor.from_local(local.to(mesh.device_type), mesh, value.placements,
-                                   run_check=False, shape=value.shape, stride=value.stride())
-    full = value.full_tensor()
-    if _shares_memory(full, local):  # Replicate-only layouts gather to the shard itself
-        full = full.clone()
-    return full.to(local.device)
-
-
 def full_tensors(values: list[DTensor], device: torch.device | str | None = None, *,
                  keep: bool = True, buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
     """The unsharded values of ``values`` as new memory each, on ``device`` (default: where each
-    local shard is), with one all-gather per process group and dtype (``full_tensor`` would issue
-    one per tensor). ``keep=False``: take part, return ``[]``. ``buffer``: see
+    local shard is), with one all-gather per process group and dtype (``DTensor.full_tensor``
+    issues one per tensor). ``keep=False``: take part, return ``[]``. ``buffer``: see
     ``gather_full_tensors``. A collective: every rank of the meshes must call with the same
     tensors in the same order."""
     if not values:
@@ -167,7 +145,7 @@ def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
 def to_full(value: torch.Tensor) -> torch.Tensor:
     """Any of the three layouts as a full tensor (collective for DTensor and ShardedTensor)."""
     if isinstance(value, DTensor):
-        return full_tensor(value)
+        return full_tensors([value])[0]
     if is_sharded_tensor(value):
         return _sharded_tensor_to_full(value)
     return value
