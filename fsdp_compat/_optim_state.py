@@ -31,15 +31,16 @@ from torch.distributed.tensor import DTensor, Replicate
 from . import _engine, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
+from ._full_tensors import GatherBuffer
 from ._mesh import flatten_to_1d
 from ._optim_state_kinds import StateKinds, check_state_kinds, learn_state_kinds
 from ._tensor_layout import (
     copy_to,
-    full_tensor,
     full_tensors,
     is_replicated_only,
     is_sharded_tensor,
     local_copy,
+    scatter_like,
     to_layout_of,
 )
 from ._unit_state import wrappers_in
@@ -263,8 +264,7 @@ def _export_value(value: Any, *, sharded: bool, offload: bool) -> Any:
         if sharded and not is_replicated_only(value):
             return local_copy(value, device)
         # FULL, or NO_SHARD's replicated state (FSDP1's SHARDED form holds full tensors there).
-        full = full_tensor(value)
-        return full.cpu() if offload else full
+        return full_tensors([value], device)[0]
     if torch.is_tensor(value):
         return copy_to(value, device)
     return copy.deepcopy(value)
@@ -286,21 +286,23 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
 
 def _gather_full_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, Any]],
                         offload: bool, keep: bool) -> dict[tuple[nn.Parameter, str], torch.Tensor]:
-    """Every sharded state tensor unsharded, one batch per unit (FSDP1 gathers per
-    FlatParameter too): a few all-gathers instead of one per tensor, and at most one unit's
-    full state alive at a time on ranks that keep nothing."""
-    batches: dict[int | None, list[tuple[nn.Parameter, str]]] = {}
+    """Every sharded state tensor unsharded, one batch per unit and state name (FSDP1 gathers
+    per FlatParameter and state too): a few all-gathers instead of one per tensor, and a gather
+    buffer of one unit's full parameters (not of all its states) beside the output."""
+    batches: dict[tuple[int | None, str], list[tuple[nn.Parameter, str]]] = {}
     for param, state in states.items():
         for name, value in state.items():
             if isinstance(value, DTensor):
-                batches.setdefault(index.unit_of.get(param), []).append((param, name))
-    gathered = {}
+                batches.setdefault((index.unit_of.get(param), name), []).append((param, name))
+    gathered: dict[tuple[nn.Parameter, str], torch.Tensor] = {}
+    buffer = GatherBuffer()
     for keys in batches.values():
         # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
         # keep nothing only take part in the collective.
         fulls = full_tensors([states[param][name] for param, name in keys],
-                             "cpu" if offload else None, keep=keep)
+                             "cpu" if offload else None, keep=keep, buffer=buffer)
         gathered.update(zip(keys, fulls))
+    buffer.release()
     return gathered
 
 
@@ -483,26 +485,34 @@ def _check_full_values(osd: Mapping[str, Any]) -> None:
 
 
 def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str, Any]:
-    """Rank 0's (validated) ``osd`` on every rank: the structure first, then each tensor, cut to
-    this rank's shard as it arrives (``_import_value``), as new memory."""
+    """Rank 0's (validated) ``osd`` on every rank in this model's layout, as new memory: the
+    structure first, then each tensor: a sharded parameter's state scattered (each rank receives
+    its shard alone), any other broadcast and converted as it arrives (one full tensor at a time)."""
     skeleton = broadcast_object(_skeleton(osd) if dist.get_rank(group) == 0 else None, group)
     if dist.get_rank(group) != 0:
         osd = skeleton
-    device = communication_device(group)
-    state = {}
+    state: dict[str, dict[str, Any]] = {}
     for name, param_state in osd["state"].items():
-        state[name] = {}
-        for state_name, value in param_state.items():
-            if isinstance(value, _TensorPlaceholder):
-                value = torch.empty(value.shape, dtype=value.dtype, device=device)
-            elif torch.is_tensor(value) and value.dim() > 0:
-                value = value.to(device)
-            if torch.is_tensor(value) and value.dim() > 0:
-                dist.broadcast(value, group_src=0, group=group)
-            # Converted (cut to this rank's shard) as it arrives: a rank holds one full tensor
-            # at a time, not the whole full state (FSDP1 does the same).
-            state[name][state_name] = _import_value(value, index.param_of_fqn[name])
+        param = index.param_of_fqn[name]
+        state[name] = {state_name: _receive_from_rank0(value, param, group)
+                       for state_name, value in param_state.items()}
     return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def _receive_from_rank0(value: Any, param: nn.Parameter, group: Any) -> Any:
+    """One state value (rank 0's; a placeholder elsewhere) in ``param``'s layout on this rank."""
+    if not isinstance(value, _TensorPlaceholder) and not (torch.is_tensor(value) and value.dim() > 0):
+        return _import_value(value, param)  # in the skeleton already
+    full = None if isinstance(value, _TensorPlaceholder) else value
+    dtype = value.dtype
+    if isinstance(param, DTensor):
+        scattered = scatter_like(full, param, dtype, group)
+        if scattered is not None:
+            return scattered
+    device = communication_device(group)
+    full = full.to(device) if full is not None else torch.empty(value.shape, dtype=dtype, device=device)
+    dist.broadcast(full, group_src=0, group=group)
+    return _import_value(full, param)
 
 
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from . import _mixed_precision
 from ._collectives import all_ranks_agree, mesh_groups
 from ._common import clean_module_path
-from ._full_tensors import gather_full_tensors
+from ._full_tensors import GatherBuffer, gather_full_tensors
 from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, effective_settings, entries_of,
                                   entry_settings)
 from ._state_dict_load import load_state_dict
@@ -215,13 +215,15 @@ def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictCon
         _, _, tensors = by_unit.setdefault(id(entry.unit), (entry.unit, config, {}))
         tensors.setdefault(id(entry.sharded), entry.sharded)
     full: dict[int, torch.Tensor] = {}
+    buffer = GatherBuffer()  # one for all units: a fresh one each costs as much as the copy
     for unit, config, tensors in by_unit.values():
         # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
         # keep nothing only take part in the collective.
         gathered = gather_full_tensors(list(tensors.values()), unit.compute_device,
                                        out_device=torch.device("cpu") if config.offload_to_cpu else None,
-                                       keep=not _only_rank0_keeps(config, rank))
+                                       keep=not _only_rank0_keeps(config, rank), buffer=buffer)
         full.update(zip(tensors.keys(), gathered))
+    buffer.release()
     return full
 
 

@@ -15,16 +15,16 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ._collectives import communication_device
 from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, sharded_tensor_group
-from ._full_tensors import engine_local_rows, gather_full_tensors
+from ._full_tensors import GatherBuffer, engine_local_rows, engine_rows_of_ranks, gather_full_tensors
 
 __all__ = [
     "copy_to",
-    "full_tensor",
     "full_tensors",
     "is_replicated_only",
     "is_sharded_tensor",
     "local_copy",
     "same_layout",
+    "scatter_like",
     "shard_like",
     "to_full",
     "to_layout_of",
@@ -46,40 +46,20 @@ def copy_to(tensor: torch.Tensor, device: torch.device | str | None = None) -> t
     return tensor.detach().to(device if device is not None else tensor.device, copy=True)
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def full_tensor(value: DTensor) -> torch.Tensor:
-    """The unsharded value of ``value`` as new memory, on the device of its local shard.
-
-    A collective over ``value``'s mesh: every rank of it must call. A CPU-offloaded shard on an
-    accelerator mesh is moved to the mesh's device for the all-gather.
-    """
-    local = value.to_local()
-    mesh = value.device_mesh
-    if local.device.type != mesh.device_type:
-        value = DTensor.from_local(local.to(mesh.device_type), mesh, value.placements,
-                                   run_check=False, shape=value.shape, stride=value.stride())
-    full = value.full_tensor()
-    if _shares_memory(full, local):  # Replicate-only layouts gather to the shard itself
-        full = full.clone()
-    return full.to(local.device)
-
-
 def full_tensors(values: list[DTensor], device: torch.device | str | None = None, *,
-                 keep: bool = True) -> list[torch.Tensor]:
+                 keep: bool = True, buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
     """The unsharded values of ``values`` as new memory each, on ``device`` (default: where each
-    local shard is), with one all-gather per process group and dtype (``full_tensor`` would issue
-    one per tensor). ``keep=False``: take part, return ``[]``. A collective: every rank of the
-    meshes must call with the same tensors in the same order."""
+    local shard is), with one all-gather per process group and dtype (``DTensor.full_tensor``
+    issues one per tensor). ``keep=False``: take part, return ``[]``. ``buffer``: see
+    ``gather_full_tensors``. A collective: every rank of the meshes must call with the same
+    tensors in the same order."""
     if not values:
         return []
     mesh_device = torch.device(values[0].device_mesh.device_type)
     local_devices = {value.to_local().device for value in values}
     out_device = (torch.device(device) if device is not None
                   else local_devices.pop() if len(local_devices) == 1 else None)
-    fulls = gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep)
+    fulls = gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep, buffer=buffer)
     if out_device is None and keep:  # shards on several devices: each full value goes to its shard's
         fulls = [full.to(value.to_local().device) for value, full in zip(values, fulls)]
     return fulls
@@ -103,7 +83,7 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     ``torch.chunk`` sharding (uneven and empty shards included) taken from ``like`` itself.
     """
     local_like = like.to_local()
-    rows = engine_local_rows(like)
+    rows = engine_local_rows(like, local_like)
     if rows is not None:  # the engine's layout: a run of rows, found without DTensor's general math
         start, count = rows
         piece = full[start:start + count]
@@ -113,6 +93,31 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     local = torch.empty(piece.shape, dtype=full.dtype, device=local_like.device)
     local.copy_(piece)
     return dtensor_like(local, like)
+
+
+def scatter_like(full: torch.Tensor | None, like: DTensor, dtype: torch.dtype, group: Any) -> DTensor | None:
+    """``full`` (given on rank 0 of ``group``, ``None`` elsewhere) laid out as ``like``, each
+    rank receiving only its own rows: one scatter, rank 0 sending each rank its rows alone
+    (a broadcast would send everyone all of it). ``None``, with nothing sent, unless ``like`` has
+    the engine's sharded layout (every rank decides alike). A collective over ``group``."""
+    rows = engine_rows_of_ranks(like, group)
+    if rows is None:
+        return None
+    padded = max(count for _, count in rows)  # gloo scatters equal sizes: short pieces padded
+    shape = (padded, *like.shape[1:])
+    device = communication_device(group)
+    pieces = None
+    if full is not None:
+        full = full.to(device)
+        pieces = [full[start:start + count].contiguous() for start, count in rows]
+        pieces = [piece if len(piece) == padded else torch.cat([piece, piece.new_zeros(padded - len(piece),
+                                                                                       *shape[1:])])
+                  for piece in pieces]
+    received = torch.empty(shape, dtype=dtype, device=device)
+    dist.scatter(received, pieces, group_src=0, group=group)
+    count = rows[dist.get_rank(group)][1]
+    local = received if count == padded else received[:count].clone()
+    return dtensor_like(local.to(like.to_local().device), like)
 
 
 def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
@@ -140,7 +145,7 @@ def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
 def to_full(value: torch.Tensor) -> torch.Tensor:
     """Any of the three layouts as a full tensor (collective for DTensor and ShardedTensor)."""
     if isinstance(value, DTensor):
-        return full_tensor(value)
+        return full_tensors([value])[0]
     if is_sharded_tensor(value):
         return _sharded_tensor_to_full(value)
     return value

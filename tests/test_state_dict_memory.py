@@ -80,3 +80,27 @@ def test_full_state_dict_holds_at_most_one_unit_beyond_its_output(rank0_only: bo
     assert returned == expected  # every value its own storage, nothing larger than itself
     # One unit of gather buffer beyond the output; 10% of a unit covers the padding rows.
     assert counter.peak <= returned + 1.1 * unit_bytes, (counter.peak, returned, unit_bytes)
+
+
+@distributed_test(world_size=2)
+def test_rank0_only_optimizer_load_holds_little_beyond_the_shards_it_returns() -> None:
+    model = _many_unit_model()
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, _WIDTH)).sum().backward()
+    optim.step()
+    full = FSDP.full_optim_state_dict(model, optim)  # on rank 0 only
+    counter = _LiveTensorBytes()
+    with counter:
+        loaded = FSDP.scatter_full_optim_state_dict(full if torch.distributed.get_rank() == 0 else None,
+                                                    model, optim=optim)
+    returned = sum(_local(value).untyped_storage().nbytes() for state in loaded["state"].values()
+                   for value in state.values() if torch.is_tensor(value))
+    weight_bytes = _WIDTH * _WIDTH * 4
+    assert returned >= _UNITS * weight_bytes  # exp_avg and exp_avg_sq: half of each weight, each
+    # Each rank receives its own rows only (one scatter per tensor): beyond its output it holds
+    # the small structure rank 0 broadcasts, never a whole full state tensor (one weight's worth).
+    assert counter.peak <= returned + 0.5 * weight_bytes, (counter.peak, returned, weight_bytes)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, torch.distributed.tensor.DTensor) else value
