@@ -21,7 +21,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -121,18 +121,18 @@ def _input_groups(model: nn.Module, optim: Any, optim_input: OptimInput) -> list
         return [list(group["params"]) for group in optim.param_groups]
     if optim_input is None:
         return [list(model.parameters())]
-    given = list(optim_input)
+    given: list[Any] = list(optim_input)
     if given and isinstance(given[0], dict):
         return [list(group["params"]) for group in given]
     return [given]
 
 
-def _unit_ownership(wrappers: list[nn.Module]) -> dict[nn.Parameter, int]:
+def _unit_ownership(wrappers: list[Any]) -> dict[nn.Parameter, int]:
     """Each engine-managed parameter's unit, as an index into the pre-order list of wrappers."""
     owner: dict[nn.Parameter, int] = {}
     for index, wrapper in enumerate(wrappers):
         for param in _engine.sharded_params(wrapper.module):
-            owner[param] = index
+            owner[cast(nn.Parameter, param)] = index
     return owner
 
 
@@ -146,8 +146,8 @@ def _flat_positions(model: nn.Module, wrappers: list[nn.Module],
     wrapper_index = {id(wrapper): index for index, wrapper in enumerate(wrappers)}
     position: dict[nn.Parameter, int] = {}
     for module in model.modules():
-        unit = wrapper_index.get(id(module))
-        for param in unit_params.get(unit, []) if unit is not None else []:
+        unit_index = wrapper_index.get(id(module))
+        for param in unit_params.get(unit_index, []) if unit_index is not None else []:
             position.setdefault(param, len(position))
         for param in module.parameters(recurse=False):
             position.setdefault(param, len(position))
@@ -624,6 +624,7 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
     if (to_names and all(by_name)) or (not to_names and all(by_id)):
         return optim_state_dict
     index = _param_index(model, optim, optim_input)
+    mapping: dict[ParamKey, ParamKey]
     if to_names:
         mapping = {key: index.fqn_of[param] for key, param in index.param_of_key.items()}
     else:
