@@ -35,6 +35,8 @@ from ._full_tensors import GatherBuffer
 from ._mesh import flatten_to_1d
 from ._optim_state_kinds import StateKinds, check_state_kinds, learn_state_kinds
 from ._tensor_layout import (
+    TensorSpec,
+    broadcast_tensor,
     copy_to,
     full_tensors,
     is_replicated_only,
@@ -456,19 +458,11 @@ def _import_value(value: Any, param: nn.Parameter) -> Any:
     return to_layout_of(value, param)
 
 
-@dataclasses.dataclass(frozen=True)
-class _TensorPlaceholder:
-    """A tensor left out of the structure rank 0 broadcasts; it follows on its own."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
     """``osd`` with every non-scalar tensor replaced by a placeholder (cheap to pickle)."""
     def strip(value: Any) -> Any:
         if torch.is_tensor(value) and value.dim() > 0:
-            return _TensorPlaceholder(tuple(value.shape), value.dtype)
+            return TensorSpec.of(value)
         return value.cpu() if torch.is_tensor(value) else value
 
     return {"state": {name: {state_name: strip(value) for state_name, value in param_state.items()}
@@ -501,18 +495,13 @@ def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str,
 
 def _receive_from_rank0(value: Any, param: nn.Parameter, group: Any) -> Any:
     """One state value (rank 0's; a placeholder elsewhere) in ``param``'s layout on this rank."""
-    if not isinstance(value, _TensorPlaceholder) and not (torch.is_tensor(value) and value.dim() > 0):
+    if not isinstance(value, TensorSpec) and not (torch.is_tensor(value) and value.dim() > 0):
         return _import_value(value, param)  # in the skeleton already
-    full = None if isinstance(value, _TensorPlaceholder) else value
-    dtype = value.dtype
     if isinstance(param, DTensor):
-        scattered = scatter_like(full, param, dtype, group)
+        scattered = scatter_like(None if isinstance(value, TensorSpec) else value, param, value.dtype, group)
         if scattered is not None:
             return scattered
-    device = communication_device(group)
-    full = full.to(device) if full is not None else torch.empty(value.shape, dtype=dtype, device=device)
-    dist.broadcast(full, group_src=0, group=group)
-    return _import_value(full, param)
+    return _import_value(broadcast_tensor(value, group, communication_device(group)), param)
 
 
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,

@@ -29,7 +29,7 @@ from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._full_tensors import sharded_tensor_local_piece
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
-from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, to_full
+from ._tensor_layout import TensorSpec, broadcast_tensor, is_sharded_tensor, same_layout, shard_like, to_full
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
@@ -210,30 +210,14 @@ def _without_own_tensors(state_dict: Mapping[str, Any], entries: list[Entry]) ->
             if not (key in own and own[key] is value and key != clean_name(key))}
 
 
-@dataclasses.dataclass
-class _TensorSpec:
-    shape: torch.Size
-    dtype: torch.dtype
-
-
 def _broadcast_from_rank0(state_dict: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     """Rank 0's state dict on every rank (``broadcast_from_rank0=True``; torch broadcasts over the
     default group, so do we). Tensors travel one by one; other values with the key list."""
-    manifest = broadcast_object({key: _TensorSpec(value.shape, value.dtype)
-                                 if isinstance(value, torch.Tensor) else value
+    manifest = broadcast_object({key: TensorSpec.of(value) if isinstance(value, torch.Tensor) else value
                                  for key, value in state_dict.items()} if dist.get_rank() == 0 else None)
-    received: dict[str, Any] = {}
-    for key, described in manifest.items():
-        if not isinstance(described, _TensorSpec):
-            received[key] = described
-            continue
-        if dist.get_rank() == 0:
-            tensor = to_full(state_dict[key]).detach().to(device, copy=True)
-        else:
-            tensor = torch.empty(described.shape, dtype=described.dtype, device=device)
-        dist.broadcast(tensor, src=0)
-        received[key] = tensor
-    return received
+    return {key: broadcast_tensor(state_dict[key] if dist.get_rank() == 0 else described, None, device)
+            if isinstance(described, TensorSpec) else described
+            for key, described in manifest.items()}
 
 
 def _key_errors(missing: list[str], unexpected: list[str], strict: bool) -> list[str]:

@@ -7,6 +7,7 @@ user's feet at the next step (FSDP1's own gather reuses one buffer and hands out
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, sharde
 from ._full_tensors import GatherBuffer, engine_local_rows, engine_rows_of_ranks, gather_full_tensors
 
 __all__ = [
+    "TensorSpec",
+    "broadcast_tensor",
     "copy_to",
     "full_tensors",
     "is_replicated_only",
@@ -118,6 +121,30 @@ def scatter_like(full: torch.Tensor | None, like: DTensor, dtype: torch.dtype, g
     count = rows[dist.get_rank(group)][1]
     local = received if count == padded else received[:count].clone()
     return dtensor_like(local.to(like.to_local().device), like)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor left out of an object rank 0 broadcasts (cheap to pickle); :func:`broadcast_tensor`
+    sends its values after."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+
+def broadcast_tensor(value: torch.Tensor | TensorSpec, group: Any, device: torch.device) -> torch.Tensor:
+    """Rank 0's tensor (``value`` there, in any layout; its :class:`TensorSpec` elsewhere) in full on
+    every rank of ``group`` (``None``: the default group), as new memory on ``device``."""
+    if isinstance(value, TensorSpec):
+        tensor = torch.empty(value.shape, dtype=value.dtype, device=device)
+    else:
+        tensor = to_full(value).detach().to(device, copy=True)
+    dist.broadcast(tensor, group_src=0, group=group)
+    return tensor
 
 
 def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
