@@ -125,6 +125,7 @@ __all__ = [
     "is_root_state_initialized",
     "iteration_in_progress",
     "local_shape_and_offset",
+    "local_tensor",
     "log_api_usage",
     "managed_params",
     "MixedPrecisionPolicy",
@@ -626,6 +627,12 @@ def _install_distributed_checkpoint_interop() -> bool:
 
 
 DISTRIBUTED_CHECKPOINT_INTEROP: bool = _install_distributed_checkpoint_interop()
+
+
+def local_tensor(value: DTensor) -> torch.Tensor:
+    """``value``'s local shard, for reading its device and shape: ``to_local()`` builds an
+    autograd node each call (~10 us), which adds up over every optimizer-state tensor."""
+    return value._local_tensor
 
 
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 # torch 2.13 renamed ``all_gather_into_tensor`` (now deprecated, with a warning on every call)
 # to ``all_gather_single``; older torch has only the first.
@@ -93,10 +93,14 @@ def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
 
 def _engine_shard_mesh_dim(tensor: DTensor) -> int | None:
     """The mesh dim of the engine's ``Shard(0)``; ``None`` if replicated; ``-1`` otherwise."""
-    shard_dims = [dim for dim, placement in enumerate(tensor.placements) if not isinstance(placement, Replicate)]
+    # Placement methods and an exact type test: ``isinstance`` and ``==`` on placements cost
+    # several times as much, once per state tensor. ``_StridedShard`` (a TP layout) is not ours.
+    placements = tensor.placements
+    shard_dims = [dim for dim, placement in enumerate(placements) if not placement.is_replicate()]
     if not shard_dims:
         return None
-    if len(shard_dims) == 1 and tensor.placements[shard_dims[0]] == Shard(0) and tensor.dim() > 0:
+    placement = placements[shard_dims[0]]
+    if len(shard_dims) == 1 and type(placement) is Shard and placement.dim == 0 and tensor.dim() > 0:
         return shard_dims[0]
     return -1
 

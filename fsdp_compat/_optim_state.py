@@ -437,7 +437,7 @@ class _KindsOfGroups:
     def of(self, param: nn.Parameter) -> StateKinds | None:
         if self.optim is None:  # optim_input given instead: the class is unknown
             return None
-        local = (param.to_local() if isinstance(param, DTensor) else param).detach()
+        local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
         number = self.group_of[param]
         key = (number, local.dim(), local.dtype, local.device)
         if key not in self.learned:

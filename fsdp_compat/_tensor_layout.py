@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._collectives import communication_device
-from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, sharded_tensor_group
+from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, local_tensor, sharded_tensor_group
 from ._full_tensors import GatherBuffer, engine_local_rows, engine_rows_of_ranks, gather_full_tensors
 
 __all__ = [
@@ -85,7 +85,7 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     No communication: every rank holds ``full`` and keeps its own slice, with the engine's
     ``torch.chunk`` sharding (uneven and empty shards included) taken from ``like`` itself.
     """
-    local_like = like.to_local()
+    local_like = local_tensor(like)
     rows = engine_local_rows(like, local_like)
     if rows is not None:  # the engine's layout: a run of rows, found without DTensor's general math
         start, count = rows
@@ -93,9 +93,7 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     else:
         local_shape, offset = local_shape_and_offset(like)
         piece = full[tuple(slice(begin, begin + size) for begin, size in zip(offset, local_shape))]
-    local = torch.empty(piece.shape, dtype=full.dtype, device=local_like.device)
-    local.copy_(piece)
-    return dtensor_like(local, like)
+    return dtensor_like(piece.to(local_like.device, copy=True, memory_format=torch.contiguous_format), like)
 
 
 def scatter_like(full: torch.Tensor | None, like: DTensor, dtype: torch.dtype, group: Any) -> DTensor | None:
@@ -120,7 +118,7 @@ def scatter_like(full: torch.Tensor | None, like: DTensor, dtype: torch.dtype, g
     dist.scatter(received, pieces, group_src=0, group=group)
     count = rows[dist.get_rank(group)][1]
     local = received if count == padded else received[:count].clone()
-    return dtensor_like(local.to(like.to_local().device), like)
+    return dtensor_like(local.to(local_tensor(like).device), like)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +184,7 @@ def to_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """
     if isinstance(like, DTensor):
         if isinstance(value, DTensor) and same_layout(value, like):
-            return local_copy(value, like.to_local().device)
+            return local_copy(value, local_tensor(like).device)
         return shard_like(to_full(value), like)
     full = to_full(value)
     return copy_to(full, like.device)
