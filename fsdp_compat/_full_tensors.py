@@ -14,11 +14,13 @@ all-gathers in ``MixedPrecision.param_dtype``, while FSDP1's state dicts hold fu
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 # torch 2.13 renamed ``all_gather_into_tensor`` (now deprecated, with a warning on every call)
@@ -192,12 +194,21 @@ def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[
     shard_dim = _engine_shard_mesh_dim(like)
     if shard_dim is None or shard_dim < 0:
         return None
-    mesh, size = like.device_mesh, like.device_mesh.size(shard_dim)
-    rows, result = math.ceil(like.shape[0] / size), []
+    coordinates = _shard_coordinates(like.device_mesh, shard_dim, group)
+    if coordinates is None:
+        return None
+    rows = math.ceil(like.shape[0] / like.device_mesh.size(shard_dim))
+    return [(c * rows, max(0, min(rows, like.shape[0] - c * rows))) for c in coordinates]
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_coordinates(mesh: DeviceMesh, shard_dim: int, group: dist.ProcessGroup) -> tuple[int, ...] | None:
+    """Each rank of ``group``'s coordinate on ``mesh``'s ``shard_dim`` (``None`` if one is not on
+    it): found once per mesh and group, not once per state tensor."""
+    coordinates = []
     for group_rank in range(group.size()):
         where = (mesh.mesh == dist.get_global_rank(group, group_rank)).nonzero()
         if len(where) == 0:
             return None
-        start = int(where[0][shard_dim]) * rows
-        result.append((start, max(0, min(rows, like.shape[0] - start))))
-    return result
+        coordinates.append(int(where[0][shard_dim]))
+    return tuple(coordinates)
