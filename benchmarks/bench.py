@@ -165,11 +165,13 @@ def plan_runs(args: argparse.Namespace, engines: list[str], backend: str, mesh: 
 
 
 def start_method(requested: str | None, backend: str) -> str:
-    """fork is cheap (torch is already imported) and safe here: this process never starts
-    threads, CUDA or a process group. CUDA ranks need spawn, and so do platforms without fork."""
+    """fork is cheap (torch is already imported) and safe here: this process starts no threads
+    or process group. CUDA needs spawn: ranks on GPUs, and also gloo ranks on a machine with
+    fewer GPUs than ranks, since this process reads the GPUs' names (CUDA then fails in a fork)."""
     if requested:
         return requested
-    return "fork" if backend != "nccl" and sys.platform.startswith("linux") else "spawn"
+    forkable = backend != "nccl" and not torch.cuda.is_available() and sys.platform.startswith("linux")
+    return "fork" if forkable else "spawn"
 
 
 def launch(spec: RunSpec, profile_dir: str, method: str) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from ._tensor_layout import (
     scatter_like,
     to_layout_of,
 )
-from ._unit_state import wrappers_in
+from ._unit_state import state_of, units_in, wrappers_in
 from .api import OptimStateKeyType, StateDictType
 
 __all__ = [
@@ -177,15 +177,17 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
               for position, param in enumerate(ordered)}
     wrappers = wrappers_in(model)
     unit_of = _unit_ownership(wrappers)
+    flat_order = _uses_flat_params(wrappers)
     return _ParamIndex(
         groups=groups,
         key_of=key_of,
         param_of_key={key: param for param, key in key_of.items()},
         fqn_of=fqn_of,
         param_of_fqn={fqn: param for param, fqn in fqn_of.items()},
-        flat_order=_uses_flat_params(wrappers),
+        flat_order=flat_order,
         unit_of=unit_of,
-        flat_position=_flat_positions(model, wrappers, unit_of),
+        # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
+        flat_position=_flat_positions(model, wrappers, unit_of) if flat_order else {},
     )
 
 
@@ -249,10 +251,11 @@ def _model_group(model: nn.Module, group: Any) -> Any:
     """The group spanning every rank of the model: ``group`` if given, else the root mesh's."""
     if group is not None:
         return group
-    wrappers = wrappers_in(model)
-    if not wrappers:
+    # The model is usually the root wrapper itself: its mesh, without walking the model.
+    root = state_of(model) or next(iter(units_in(model)), None)
+    if root is None:
         return dist.group.WORLD
-    return flatten_to_1d(wrappers[0]._device_mesh).get_group()
+    return flatten_to_1d(root.device_mesh).get_group()
 
 
 # ---------------------------------------------------------------------------------------------

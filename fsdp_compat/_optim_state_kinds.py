@@ -31,12 +31,46 @@ StateKinds = dict[str, str]
 _TINY_SIZES = (2, 3, 4, 5, 6, 7, 8, 9)  # distinct sizes: a parameter-shaped state is recognisable
 _DESCRIPTIONS = {"param": "a tensor of the parameter's shape {shape}", "scalar": "a 0-d tensor",
                  "tensor": "a tensor", "value": "a plain (non-tensor) value"}
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+_learned: dict[tuple[Any, ...], StateKinds | None] = {}  # see learn_state_kinds
+_LEARNED_MAX = 256
 
 
 def learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> StateKinds | None:
     """What ``type(optim)`` with ``hyper_parameters`` keeps for a parameter like ``like`` (its
     dimensionality, dtype and device), or ``None`` where a throw-away instance cannot be built
-    or stepped this way (a custom constructor, a closure or sparse gradients needed)."""
+    or stepped this way (a custom constructor, a closure or sparse gradients needed).
+
+    Remembered per class and plain hyper-parameter values: a resumed run loads the same optimizer
+    again and again, and stepping the throw-away costs more than converting a small model's state.
+    """
+    key = _memo_key(optim, hyper_parameters, like)
+    if key is not None and key in _learned:
+        return _learned[key]
+    kinds = _step_throwaway(optim, hyper_parameters, like)
+    if key is not None:
+        if len(_learned) >= _LEARNED_MAX:
+            _learned.clear()
+        _learned[key] = kinds
+    return kinds
+
+
+def _memo_key(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> tuple[Any, ...] | None:
+    """A key for what was learned, or ``None`` when a hyper-parameter is not a plain value (a
+    tensor learning rate, a callable): then nothing is remembered."""
+    items = []
+    for name, value in sorted(hyper_parameters.items(), key=lambda item: item[0]):
+        if name == "params":
+            continue
+        if isinstance(value, (tuple, list)) and all(isinstance(part, _PLAIN) for part in value):
+            value = (type(value), *value)
+        elif not isinstance(value, _PLAIN):
+            return None
+        items.append((name, value))
+    return (type(optim), like.dim(), like.dtype, like.device, *items)
+
+
+def _step_throwaway(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> StateKinds | None:
     tiny = torch.zeros(_TINY_SIZES[:like.dim()], dtype=like.dtype, device=like.device, requires_grad=True)
     group = {key: value for key, value in hyper_parameters.items() if key != "params"}
     try:
