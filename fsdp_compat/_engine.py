@@ -322,10 +322,10 @@ class _CommHookReduceScatter(ReduceScatter):
         self._hook(self._state, input_tensor, output_tensor)
 
 
-_this_rank_group: tuple[Any, Any] = (None, None)  # (default group it was made in, the group)
+_this_rank_group: tuple[Any, dist.ProcessGroup | None] = (None, None)  # (default group it was made in, it)
 
 
-def _group_of_this_rank_only() -> Any:
+def _group_of_this_rank_only() -> dist.ProcessGroup | None:
     """A one-rank process group: the engine's own all-reduce over it is a no-op. Made once per
     default process group (a re-initialised world gets a new one)."""
     global _this_rank_group
