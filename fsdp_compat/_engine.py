@@ -30,22 +30,16 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 # ---- torch versions: the tested range, and the engine pieces this adapter needs ----
 
-# The torch releases the whole suite passes on, as [first, end) of (major, minor); ``setup.cfg``
-# states the same range. Any other torch gets one warning at import.
+# [first, end) of (major, minor) the whole suite passes on; ``setup.cfg`` states the same range.
 TESTED_TORCH = ((2, 13), (2, 16))
 _SUPPORTED = "torch>=2.13,<2.16"
 
 
-def _torch_release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a torch version string such as ``2.15.0+cu132`` or ``2.16.0a0``."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-
-
 def warn_if_untested(version: str = torch.__version__) -> bool:
-    """Warn when ``version`` is outside :data:`TESTED_TORCH` (called once, at import)."""
-    first, end = TESTED_TORCH
-    if first <= _torch_release(version) < end:
+    """Warn when ``version`` (``2.15.0+cu132``, ``2.16.0a0``...) is outside :data:`TESTED_TORCH`."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    release = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if TESTED_TORCH[0] <= release < TESTED_TORCH[1]:
         return False
     warnings.warn(f"fsdp_compat is tested with {_SUPPORTED}, not torch {version}. It runs as long "
                   "as torch's FSDP2 engine has what it needs, but compare your training (losses, "
@@ -55,7 +49,6 @@ def warn_if_untested(version: str = torch.__version__) -> bool:
 
 
 def _missing_engine_piece(piece: str) -> ImportError:
-    """The error for a torch whose FSDP2 engine lacks ``piece`` (something this adapter uses)."""
     return ImportError(f"fsdp_compat cannot run on torch {torch.__version__}: its FSDP2 engine "
                        f"lacks {piece}. fsdp_compat supports {_SUPPORTED}; install one of those.")
 
@@ -70,14 +63,7 @@ def _require_methods(cls: type, *names: str) -> None:
 warn_if_untested()
 
 try:
-    # Public FSDP2 entry points.
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        FSDPModule,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # ``replicate`` (the FSDP2-based one) lives in a private package.
     from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -85,13 +71,8 @@ try:
     # Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, _from_local_no_grad
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        TrainingState as _EngineTrainingState,
-    )
-    from torch.distributed.fsdp._fully_shard._fsdp_param import (
-        FSDPParam,
-        unsafe_setattr_param,
-    )
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, unsafe_setattr_param
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 except ImportError as _error:
@@ -104,63 +85,18 @@ _require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetc
 _require_methods(FSDPParam, "reset_sharded_param")
 _require_methods(FSDPParamGroup, "_init_mp_dtypes")
 
-
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 except ImportError:  # pragma: no cover - depends on the torch version
     ShardedTensor = None  # type: ignore[assignment, misc]
 
-__all__ = [
-    "apply_engine",
-    "BatchNormBase",
-    "CPUOffloadPolicy",
-    "engine_module",
-    "engine_state",
-    "flatten_mesh",
-    "FSDPModule",
-    "gradient_sync_flags",
-    "GradScalerBase",
-    "IncompatibleKeys",
-    "install_comm_hook",
-    "is_root_state_initialized",
-    "iteration_in_progress",
-    "local_shape_and_offset",
-    "local_tensor",
-    "log_api_usage",
-    "managed_params",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "param_groups",
-    "recover_interrupted_iteration",
-    "register_param",
-    "registered_child",
-    "reset_iteration",
-    "set_gradient_sync_flags",
-    "set_sharded_param_dtype",
-    "sharded_params",
-    "sharded_tensor_group",
-    "ShardedTensor",
-    "sparse_values",
-    "torch_wrap_policy_argument",
-    "unit_param_slots",
-]
 
-
-def apply_engine(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh,
-    replicate_only: bool,
-    reshard_after_forward: bool | None,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-    ignored_params: set[nn.Parameter],
-) -> FSDPModule:
-    """Make ``module`` one engine unit (one parameter group) over ``mesh``.
-
-    ``replicate_only`` selects the engine's replicate (all-reduce, no sharding) for ``NO_SHARD``.
-    ``reshard_after_forward=None`` lets the engine decide: resharded unless it is the root.
-    """
+def apply_engine(module: nn.Module, *, mesh: DeviceMesh, replicate_only: bool, reshard_after_forward: bool | None,
+                 mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
+                 ignored_params: set[nn.Parameter]) -> FSDPModule:
+    """Make ``module`` one engine unit (one parameter group) over ``mesh``: the engine's
+    ``replicate`` (all-reduce, no sharding) for ``NO_SHARD``, else ``fully_shard``.
+    ``reshard_after_forward=None`` lets the engine decide: resharded unless it is the root."""
     unit: FSDPModule
     if replicate_only:
         unit = replicate(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
@@ -176,17 +112,13 @@ def apply_engine(
 
 # ---- gradient accumulation dtype: FSDP1's, on every torch ----
 #
-# FSDP1 accumulates unreduced (``no_sync``) gradients in the compute dtype (``param_dtype``, else
-# the parameter's own) and casts to ``reduce_dtype`` only to reduce. The engine keeps the group's
-# reduction dtype (``FSDPParamGroup._reduce_dtype``) apart from each parameter's accumulation
-# dtype, derived from ``FSDPParam.reduce_dtype``: torch < 2.15 moves the gradient into
-# ``unsharded_accumulated_grad`` in that dtype after a backward without reduction; torch 2.15
-# sets it as the unsharded parameter's ``grad_dtype`` (``FSDPParam.unsharded_grad_dtype``) and
-# upcasts gradients it lists in ``_fsdp_params_with_wider_grad_dtype``. Both are re-derived in
-# ``FSDPParamGroup._init_mp_dtypes`` (lazy init, and ``set_sharded_param_dtype``); right after
-# it, each parameter's accumulation dtype becomes its compute dtype while the group keeps
-# reducing in ``reduce_dtype`` (its copy into the reduce-scatter/all-reduce buffer casts, as it
-# already does for a first, unaccumulated gradient). No public setter reaches these dtypes.
+# FSDP1 accumulates unreduced (``no_sync``) gradients in the compute dtype and casts to
+# ``reduce_dtype`` only to reduce. The engine derives each parameter's accumulation dtype from
+# ``FSDPParam.reduce_dtype`` (torch < 2.15: ``unsharded_accumulated_grad``'s dtype; 2.15: the
+# unsharded parameter's ``grad_dtype``, upcast for those in ``_fsdp_params_with_wider_grad_dtype``),
+# re-derived in ``FSDPParamGroup._init_mp_dtypes``. Right after it, we make that dtype the compute
+# dtype while the group keeps reducing in ``reduce_dtype`` (its copy into the reduce buffer casts).
+# No public setter reaches these dtypes.
 
 _ACCUMULATION_MARK = "_fsdp_compat_accumulates_in_compute_dtype"
 
@@ -200,58 +132,45 @@ def _accumulate_in_compute_dtype(group: FSDPParamGroup) -> None:
     @functools.wraps(init_mp_dtypes)
     def init_mp_dtypes_then_compute_dtype_accumulation() -> None:
         init_mp_dtypes()
-        _set_compute_dtype_accumulation(group)
+        changed = set()
+        for fsdp_param in group.fsdp_params:
+            compute_dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
+            if fsdp_param.reduce_dtype in (None, compute_dtype) or not compute_dtype.is_floating_point:
+                continue
+            fsdp_param.reduce_dtype = compute_dtype
+            changed.add(id(fsdp_param))
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:  # made before this re-derivation: 2.15 set its grad_dtype
+                unsharded.grad_dtype = compute_dtype
+        wider = getattr(group, "_fsdp_params_with_wider_grad_dtype", None)  # torch >= 2.15
+        if wider is not None:
+            group._fsdp_params_with_wider_grad_dtype = [  # type: ignore[attr-defined]
+                p for p in wider if id(p) not in changed]
 
     setattr(init_mp_dtypes_then_compute_dtype_accumulation, _ACCUMULATION_MARK, True)
     group._init_mp_dtypes = init_mp_dtypes_then_compute_dtype_accumulation  # type: ignore[method-assign]
 
 
-def _set_compute_dtype_accumulation(group: FSDPParamGroup) -> None:
-    changed = set()
-    for fsdp_param in group.fsdp_params:
-        compute_dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
-        if fsdp_param.reduce_dtype in (None, compute_dtype) or not compute_dtype.is_floating_point:
-            continue
-        fsdp_param.reduce_dtype = compute_dtype
-        changed.add(id(fsdp_param))
-        unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        if unsharded is not None:  # made before this re-derivation: 2.15 set its grad_dtype
-            unsharded.grad_dtype = compute_dtype
-    wider = getattr(group, "_fsdp_params_with_wider_grad_dtype", None)  # torch >= 2.15
-    if wider is not None:
-        group._fsdp_params_with_wider_grad_dtype = [  # type: ignore[attr-defined]
-            p for p in wider if id(p) not in changed]
-
-
 def engine_state(module: nn.Module | FSDPModule) -> FSDPState | None:
-    """The engine's per-unit state of ``module`` (an ``FSDPState``), or ``None``."""
-    if not isinstance(module, FSDPModule):
-        return None
-    return module._get_fsdp_state()
+    """The engine's per-unit state of ``module``, or ``None``."""
+    return module._get_fsdp_state() if isinstance(module, FSDPModule) else None
 
 
 def param_groups(module: nn.Module | FSDPModule) -> list[FSDPParamGroup]:
-    """The engine parameter groups (``FSDPParamGroup``) of the unit ``module`` (may be empty)."""
+    """The engine parameter groups of the unit ``module`` (may be empty)."""
     state = engine_state(module)
     return list(state._fsdp_param_groups) if state is not None else []
 
 
-def managed_params(module: nn.Module) -> Iterator[FSDPParam]:
-    """The engine's per-parameter records (``FSDPParam``) of the unit ``module``."""
-    for group in param_groups(module):
-        yield from group.fsdp_params
+def managed_params(module: nn.Module) -> list[FSDPParam]:
+    """The engine's per-parameter records of the unit ``module``."""
+    return [fsdp_param for group in param_groups(module) for fsdp_param in group.fsdp_params]
 
 
 def is_root_state_initialized(module: nn.Module) -> bool:
     """Whether the engine has run its lazy initialisation (root chosen) for ``module``'s unit."""
     state = engine_state(module)
     return state is not None and state._is_root is not None
-
-
-def reset_iteration(module: nn.Module) -> None:
-    """Recover the engine's per-iteration state after a forward or backward raised."""
-    if isinstance(module, FSDPModule):
-        module.reset_iter_state()
 
 
 def sharded_params(module: nn.Module) -> list[DTensor]:
@@ -262,13 +181,9 @@ def sharded_params(module: nn.Module) -> list[DTensor]:
 @torch.no_grad()
 def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
     """Re-type the unit's floating-point sharded parameters (and their gradients) to ``dtype``.
-
-    Each ``nn.Parameter`` keeps its identity (``swap_tensors``, as ``nn.Module.to`` does for
-    DTensor parameters), so optimizers holding it stay valid; the engine then re-pads the new
-    local shard and re-derives its mixed-precision dtypes, which it otherwise does only at lazy
-    initialisation. Callers must reject units that already ran forward (all-gather buffers are
-    sized for the old dtype).
-    """
+    Each ``nn.Parameter`` keeps its identity (``swap_tensors``, as ``nn.Module.to`` does), so
+    optimizers holding it stay valid. Callers must reject units that already ran forward
+    (all-gather buffers are sized for the old dtype)."""
     for fsdp_param in managed_params(module):
         param = fsdp_param.sharded_param
         if param.dtype == dtype or not param.is_floating_point():
@@ -278,25 +193,21 @@ def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
         fsdp_param.reset_sharded_param()
         if grad is not None:
             param.grad = grad.to(dtype)
-    # Safe outside lazy initialisation on every tested torch: the callers' check guarantees that
-    # lazy init is still to come, and it re-runs this and what depends on it (torch 2.15 also
-    # orders the reduce-scatter by gradient dtype there); this call only keeps the dtypes right
-    # for anything read in between.
+    # Lazy init is still to come (callers check) and re-runs this with what depends on it; this
+    # call keeps the dtypes right for anything read in between.
     for group in param_groups(module):
         group._init_mp_dtypes()
 
 
 # ---- runtime controls: no_sync, summon_full_params, comm hooks, recovery (``_runtime``) ----
 
-GradientSyncFlags = tuple[bool, bool]
 
-
-def gradient_sync_flags(module: nn.Module) -> list[GradientSyncFlags]:
+def gradient_sync_flags(module: nn.Module) -> list[tuple[bool, bool]]:
     """``(reduce_grads, all_reduce_grads)`` of each parameter group of the unit ``module``."""
     return [(group.reduce_grads, group.all_reduce_grads) for group in param_groups(module)]
 
 
-def set_gradient_sync_flags(module: nn.Module, flags: list[GradientSyncFlags]) -> None:
+def set_gradient_sync_flags(module: nn.Module, flags: list[tuple[bool, bool]]) -> None:
     """Restore what :func:`gradient_sync_flags` returned (both flags: HSDP and ``replicate`` need
     ``all_reduce_grads`` back, or their gradients are never written), through the engine's public
     setters. A unit here has one parameter group (no ``shard_placement_fn``): one pair of flags."""
@@ -327,11 +238,11 @@ def register_param(module: nn.Module, name: str, param: nn.Parameter | DTensor) 
 
 @contextlib.contextmanager
 def forward_hooks_suspended(module: nn.Module) -> Iterator[None]:
-    """The engine's forward hooks of the unit ``module`` taken out for the duration (put back in
-    their place after). Inside ``summon_full_params`` a forward must run on the summoned full
-    parameters in their own precision, as FSDP1 does: the engine's hooks would cast the inputs to
-    ``param_dtype``, all-gather low-precision parameters over the summoned ones and reshard them.
-    The hook dicts are ``nn.Module``'s; ``fully_shard`` keeps no public way to disable its hooks."""
+    """The engine's forward hooks of the unit ``module`` replaced, in place, by no-ops for the
+    duration. Inside ``summon_full_params`` a forward must run on the summoned full parameters in
+    their own precision, as FSDP1 does: the engine's hooks would cast the inputs to ``param_dtype``,
+    all-gather low-precision parameters over the summoned ones and reshard them. The hook dicts are
+    ``nn.Module``'s; ``fully_shard`` keeps no public way to disable its hooks."""
     state = engine_state(module)
     handles = [] if state is None else [getattr(state, name, None) for name in
                                         ("_pre_forward_hook_handle", "_post_forward_hook_handle")]
@@ -339,14 +250,17 @@ def forward_hooks_suspended(module: nn.Module) -> Iterator[None]:
     for handle in handles:  # grouped units (several modules) use another handle type: left alone
         hooks = getattr(handle, "hooks_dict_ref", lambda: None)()
         if handle is not None and hooks is not None and handle.id in hooks:
-            taken.append((hooks, list(hooks), handle.id, hooks.pop(handle.id)))
+            taken.append((hooks, handle.id, hooks[handle.id]))
+            hooks[handle.id] = _no_op_hook  # same key: the hook keeps its place among the others
     try:
         yield
     finally:
-        for hooks, order, hook_id, hook in taken:
+        for hooks, hook_id, hook in taken:
             hooks[hook_id] = hook
-            for key in [key for key in order if key in hooks] + [key for key in hooks if key not in order]:
-                hooks.move_to_end(key)
+
+
+def _no_op_hook(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def iteration_in_progress(module: nn.Module) -> bool:
@@ -366,10 +280,8 @@ def iteration_in_progress(module: nn.Module) -> bool:
 def recover_interrupted_iteration(module: nn.Module) -> bool:
     """If a forward or backward of the root unit ``module`` raised midway, reset the engine's
     per-iteration state and drop the interrupted iteration's unreduced gradients (which the next
-    backward would otherwise add to). Returns whether there was anything to recover.
-
-    Not while autograd runs: a root forward inside backward is activation-checkpoint recompute.
-    """
+    backward would otherwise add to); return whether there was anything to recover. Not while
+    autograd runs: a root forward inside backward is activation-checkpoint recompute."""
     state = engine_state(module)
     if (state is None or state._is_root is not True or torch._C._current_graph_task_id() != -1
             or not iteration_in_progress(module)):
@@ -379,32 +291,24 @@ def recover_interrupted_iteration(module: nn.Module) -> bool:
     # Gradients already reduced stay until ``zero_grad()`` (the engine from torch 2.15 drops
     # them on reset, earlier ones keep them: same behaviour on every torch).
     reduced = [(fsdp_param.sharded_param, fsdp_param.sharded_param.grad) for fsdp_param in fsdp_params]
-    reset_iteration(module)
+    cast(FSDPModule, module).reset_iter_state()
+    # torch < 2.15 may keep ``no_sync`` accumulation apart from ``.grad``; from 2.15
+    # ``unsharded_accumulated_grad`` is a read-only view of ``.grad``.
+    separate_accumulation = not isinstance(getattr(FSDPParam, "unsharded_accumulated_grad", None), property)
     for fsdp_param in fsdp_params:
         if hasattr(fsdp_param, "_unsharded_param"):
             fsdp_param._unsharded_param.grad = None
-        _drop_accumulated_grad(fsdp_param)
+        if separate_accumulation:
+            fsdp_param.unsharded_accumulated_grad = None
     for param, grad in reduced:
         param.grad = grad
     return True
 
 
-def _drop_accumulated_grad(fsdp_param: Any) -> None:
-    """Drop ``no_sync`` accumulation kept apart from ``.grad`` (torch < 2.15 keeps it there when a
-    parameter's accumulation dtype differs from its gradient's, which
-    :func:`_accumulate_in_compute_dtype` prevents; from 2.15 ``unsharded_accumulated_grad`` is a
-    read-only view of ``.grad``)."""
-    if not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
-        fsdp_param.unsharded_accumulated_grad = None
-
-
 class _CommHookReduceScatter(ReduceScatter):
-    """Runs an FSDP1 comm hook ``hook(state, grad, output)`` in place of the reduce-scatter.
-
-    ``grad`` is the unit's flat gradient, padded so that chunk ``r`` of it belongs to rank ``r``,
-    and ``output`` receives this rank's reduced chunk: the same contract as FSDP1's flat
-    parameter, so FSDP1 hooks (``reduce_scatter_hook``, ``fp16_compress_hook``...) work unchanged.
-    """
+    """Runs an FSDP1 comm hook ``hook(state, grad, output)`` in place of the reduce-scatter:
+    ``grad`` is the unit's flat gradient, chunk ``r`` of it rank ``r``'s, ``output`` this rank's
+    reduced chunk, FSDP1's flat-parameter contract, so FSDP1's hooks work unchanged."""
 
     def __init__(self, hook: Callable[..., Any], state: object) -> None:
         self._hook = hook
@@ -416,13 +320,12 @@ class _CommHookReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  op: Any, async_op: bool = False) -> None:
         self._hook(self._state, input_tensor, output_tensor)
-        return None
 
 
-_this_rank_group: tuple[Any, Any] = (None, None)  # (default group it was made in, the group)
+_this_rank_group: tuple[Any, dist.ProcessGroup | None] = (None, None)  # (default group it was made in, it)
 
 
-def _group_of_this_rank_only() -> Any:
+def _group_of_this_rank_only() -> dist.ProcessGroup | None:
     """A one-rank process group: the engine's own all-reduce over it is a no-op. Made once per
     default process group (a re-initialised world gets a new one)."""
     global _this_rank_group
@@ -455,9 +358,6 @@ def install_comm_hook(module: nn.Module, hook: Callable[..., Any], state: object
     unit.set_all_reduce_hook(functools.partial(hook, state))
 
 
-# ---- state dicts (``_state_dict``) ----
-
-
 def engine_module(module: nn.Module) -> nn.Module:
     """The engine unit a wrapper holds: ``wrapper.module`` itself, or the module inside the
     activation-checkpoint wrappers that ``apply_activation_checkpointing`` put around it after
@@ -469,9 +369,8 @@ def engine_module(module: nn.Module) -> nn.Module:
 
 # ---- torch-private names outside FSDP2, each with why no public API serves ----
 
-# FSDP1's ``MixedPrecision._module_classes_to_ignore`` default. The public batch-norm classes
-# (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, the lazy ones) and users' own norms all derive from
-# it, so only this base class matches what FSDP1 matches.
+# FSDP1's ``MixedPrecision._module_classes_to_ignore`` default: every batch norm (torch's public
+# ones, users' own) derives from it, so only this base class matches what FSDP1 matches.
 BatchNormBase = _BatchNorm
 
 # What ``nn.Module.load_state_dict`` returns (a named tuple of missing and unexpected keys).
@@ -496,11 +395,8 @@ def flatten_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def local_shape_and_offset(like: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shape and global offset of ``like``'s local shard on this rank (uneven, empty included).
-
-    Public ``distribute_tensor(full, src_data_rank=None)`` finds the same slice, but moves the
-    whole ``full`` tensor to the mesh's device first and returns a view of it; callers copy
-    only this rank's slice, wherever the shard lives (CPU offload).
-    """
+    Public ``distribute_tensor`` finds the same slice but first moves the whole tensor to the
+    mesh's device; callers copy only this rank's slice, wherever the shard lives (CPU offload)."""
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
     return tuple(shape), tuple(offset)
 
@@ -523,12 +419,8 @@ def sparse_values(grad: torch.Tensor) -> torch.Tensor:
 
 
 class GradScalerBase(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` with the private pieces a sharded scaler needs given public names.
-
-    ``unscale_local_grads`` replaces the base class's ``_unscale_grads_`` (called by ``unscale_``
-    and by ``step`` for optimizers that unscale themselves); by default it does what the base
-    class does.
-    """
+    """``torch.amp.GradScaler`` with the private pieces a sharded scaler needs given public names:
+    ``unscale_local_grads`` replaces the base class's ``_unscale_grads_`` (default: the same)."""
 
     def unscale_local_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                             found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
@@ -546,23 +438,18 @@ class GradScalerBase(torch.amp.GradScaler):
         to 1 if any holds inf/NaN (torch's fused kernel; no public entry point)."""
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
-# ==== torch.distributed.checkpoint.state_dict interop (issue 10, item 2) ====================
+
+# ---- torch.distributed.checkpoint.state_dict interop ----
 #
-# torch's ``get_state_dict`` / ``set_state_dict`` family (``dsd`` below) recognises FSDP1 only by
-# its class: for FSDP1 it sets the modules' state-dict type from the call's ``StateDictOptions``
-# (through ``_StateDictInfo.fsdp_context``) and drops the ``_fsdp_wrapped_module.`` segments from
-# names (in ``_get_fqns``). Nothing public lets another module class take part (measured on torch
-# 2.13 and 2.15: the module hook ``_fqn_modifiers`` renames model entries only; optimizer entries
-# are named from ``model.named_parameters()`` through ``_get_fqns``, which keeps every segment).
-# So two private functions of that module are wrapped, once, at import:
-#
-# * ``_verify_options``: the ``fsdp_context`` it returns also publishes the call's options while
-#   torch runs the model's ``state_dict`` / ``load_state_dict`` (read with
-#   :func:`distributed_checkpoint_request`), so a wrapper answers as FSDP1 would;
-# * ``_get_fqns``: names through a wrapper lose the ``_fsdp_wrapped_module`` segment, as FSDP1's.
-#
-# ``tests/test_dcp_state_dict_api.py`` checks both are in place: a torch upgrade that moves them
-# fails there loudly (and :data:`DISTRIBUTED_CHECKPOINT_INTEROP` is ``False``).
+# torch's ``get_state_dict`` / ``set_state_dict`` family (``dsd``) recognises FSDP1 only by its
+# class: it sets FSDP1's state-dict type from the call's ``StateDictOptions`` (through
+# ``_StateDictInfo.fsdp_context``) and drops ``_fsdp_wrapped_module.`` from names (``_get_fqns``).
+# Nothing public lets another class take part (``_fqn_modifiers`` renames model entries only, not
+# optimizer ones; torch 2.13 and 2.15), so two private functions are wrapped once, at import:
+# ``_verify_options``, whose ``fsdp_context`` then also publishes the call's options while the
+# model's ``state_dict`` / ``load_state_dict`` runs (:func:`distributed_checkpoint_request`), and
+# ``_get_fqns``, whose names through a wrapper then lose the wrapper segment, as FSDP1's.
+# ``tests/test_dcp_state_dict_api.py`` fails loudly when a torch upgrade moves them.
 
 _WRAPPER_SEGMENT = "_fsdp_wrapped_module"
 _INTEROP_MARK = "_fsdp_compat_interop"
@@ -584,10 +471,6 @@ def _publishing(options: Any, inner: Callable[[], Any]) -> Iterator[None]:
             yield
         finally:
             _dcp_request.reset(token)
-
-
-def _without_wrapper_segments(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != _WRAPPER_SEGMENT)
 
 
 def _install_distributed_checkpoint_interop() -> bool:
@@ -617,7 +500,7 @@ def _install_distributed_checkpoint_interop() -> bool:
         fqns = get_fqns(model, name, *args, **kwargs)
         if _WRAPPER_SEGMENT not in name:
             return fqns
-        return {_without_wrapper_segments(fqn) for fqn in fqns}
+        return {".".join(part for part in fqn.split(".") if part != _WRAPPER_SEGMENT) for fqn in fqns}
 
     setattr(verify_options_publishing, _INTEROP_MARK, True)
     setattr(get_fqns_without_wrappers, _INTEROP_MARK, True)
@@ -637,11 +520,9 @@ def local_tensor(value: DTensor) -> torch.Tensor:
 
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` as this rank's piece of a DTensor laid out exactly as ``like`` (no copy).
-
-    The engine's own no-grad constructor reuses ``like``'s sharding spec: no autograd node, no
-    spec rebuilt from placements (``DTensor.from_local`` costs ~4x as much per tensor, which
-    dominates loading an optimizer state of small tensors). A different dtype needs its own spec.
-    """
+    The engine's no-grad constructor reuses ``like``'s spec: no autograd node, no spec rebuilt
+    (``DTensor.from_local`` costs ~4x as much, which dominates loading many small optimizer-state
+    tensors). A different dtype needs its own spec."""
     if local.dtype == like.dtype and not local.requires_grad:
         return _from_local_no_grad(local, like._spec)
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,

@@ -19,30 +19,24 @@ from ._unit_state import state_of
 def check_module(module: Any) -> None:
     """FSDP1 fails with ``AttributeError`` on a non-module; we keep the type, with a clear message."""
     if not isinstance(module, nn.Module):
-        raise AttributeError(
-            f"FullyShardedDataParallel wraps an nn.Module, but got {type(module).__name__}; pass "
-            "the model (or submodule) to shard as the first argument"
-        )
+        raise AttributeError(f"FullyShardedDataParallel wraps an nn.Module, but got {type(module).__name__}; pass "
+                             "the model (or submodule) to shard as the first argument")
 
 
 # The unit that sharded each parameter, by the parameter's id, to recognise one a second root
 # would shard again. The parameter itself is never referenced, not even weakly: a weak reference
 # would make ``torch.utils.swap_tensors`` refuse it (the mixed-precision re-typing path). A stale
 # id is harmless: the check confirms the parameter is still one of that unit's.
-_sharding_unit: dict[int, weakref.ref[nn.Module]] = {}
+_sharding_unit: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 
 
 def remember_sharded(unit: nn.Module) -> None:
     """Record the parameters the engine unit ``unit`` shards (see :func:`check_not_shared_with_another_root`)."""
-    for key in [key for key, ref in _sharding_unit.items() if ref() is None]:
-        del _sharding_unit[key]
-    reference = weakref.ref(unit)
-    _sharding_unit.update((id(param), reference) for param in _engine.sharded_params(unit))
+    _sharding_unit.update((id(param), unit) for param in _engine.sharded_params(unit))
 
 
 def _sharded_by_a_unit(param: nn.Parameter) -> bool:
-    reference = _sharding_unit.get(id(param))
-    unit = reference() if reference is not None else None
+    unit = _sharding_unit.get(id(param))
     return unit is not None and any(sharded is param for sharded in _engine.sharded_params(unit))
 
 
@@ -70,31 +64,23 @@ def check_container_has_no_own_params(module: nn.Module, ignored_params: set[nn.
     own = [name for name, p in module.named_parameters()
            if p not in ignored_params and not isinstance(p, DTensor)]
     if own:
-        raise ValueError(
-            f"Cannot shard {type(module).__name__} parameters {own[:3]} directly: the container has no "
-            "forward, so nothing would gather them. Wrap its children instead (e.g. "
-            "ModuleWrapPolicy({YourBlock}))"
-        )
+        raise ValueError(f"Cannot shard {type(module).__name__} parameters {own[:3]} directly: the container has no "
+                         "forward, so nothing would gather them. Wrap its children instead (e.g. "
+                         "ModuleWrapPolicy({YourBlock}))")
 
 
-def resolve_ignored_states(
-    module: nn.Module,
-    ignored_modules: Iterable[nn.Module] | None,
-    ignored_states: Iterable[nn.Parameter | nn.Module] | None,
-) -> tuple[set[nn.Module], set[nn.Parameter]]:
+def resolve_ignored_states(module: nn.Module, ignored_modules: Iterable[nn.Module] | None,
+                           ignored_states: Iterable[nn.Parameter | nn.Module] | None,
+                           ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """The ignored modules and the full set of ignored parameters, validated as FSDP1 does."""
     if ignored_modules is not None and ignored_states is not None:
-        raise ValueError(
-            "Cannot pass both ignored_modules and ignored_states at the same time. "
-            "Please just pass ignored_states."
-        )
+        raise ValueError("Cannot pass both ignored_modules and ignored_states at the same time. "
+                         "Please just pass ignored_states.")
     given = list(ignored_states if ignored_states is not None else ignored_modules or [])
     if given and not (all(isinstance(s, nn.Parameter) for s in given)
                       or all(isinstance(s, nn.Module) for s in given)):
-        raise ValueError(
-            "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
-            f"types {[type(s) for s in given]}"
-        )
+        raise ValueError("ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+                         f"types {[type(s) for s in given]}")
     inside_modules = set(module.modules())
     inside_params = set(module.parameters())
     modules: set[nn.Module] = set()
@@ -136,13 +122,12 @@ def unit_modules(root: nn.Module, ignored_modules: set[nn.Module], breadth_first
 class MetaMaterializer:
     """Gives meta-device modules real storage and initial values, one module at a time.
 
-    Without ``param_init_fn`` each module's own meta parameters and buffers get storage on
-    ``device`` and its ``reset_parameters()`` runs. Modules are fed in pre-order, the order eager
-    construction initialises them in, so the same seed gives the values of eager construction; a
-    tied tensor stays tied and keeps its first owner's value. The wrapper feeds them while it
-    shards unit by unit, so no more than one unit (beyond the root's own states) is ever
-    unsharded. With ``param_init_fn``, FSDP1's semantics: it is called on every module of a unit
-    (breadth-first) when that unit is built.
+    Without ``param_init_fn``, each module's own meta tensors get storage on ``device`` and its
+    ``reset_parameters()`` runs, in pre-order (eager construction's order: the same seed gives the
+    same values); a tied tensor stays tied and keeps its first owner's value. The wrapper feeds
+    modules while it shards unit by unit, so at most one unit beyond the root's own states is
+    unsharded. With ``param_init_fn`` (FSDP1's semantics) it is called on every module of a unit,
+    breadth-first, when that unit is built.
     """
 
     def __init__(self, device: torch.device, ignored_modules: set[nn.Module],
@@ -161,43 +146,13 @@ class MetaMaterializer:
         """``reset_parameters()`` path: materialise ``module``'s own meta tensors (no-op otherwise)."""
         if self.param_init_fn is not None or module in self.ignored_modules:
             return
-        already_initialized = self._replace_meta_tensors(module)
-        if already_initialized is None:
-            return
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            with torch.no_grad():
-                reset()
-                # A tied tensor was initialised by its first owner; restore that value.
-                for tensor, value in already_initialized:
-                    tensor.copy_(value)
-
-    def materialize_unit(self, root: nn.Module) -> None:
-        """Materialise whatever of ``root``'s unit is still on the meta device."""
-        if not any(t.is_meta for m in unit_modules(root, self.ignored_modules)
-                   for t in _own_tensors(m)):
-            return
-        if self.param_init_fn is not None:
-            for module in unit_modules(root, self.ignored_modules, breadth_first=True):
-                self.param_init_fn(module)
-            return
-        for module in unit_modules(root, self.ignored_modules):
-            self.materialize_own_states(module)
-
-    def _replace_meta_tensors(self, module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Swap ``module``'s own meta tensors for empty ones on the device, reusing tied ones.
-
-        Returns the (tensor, saved value) pairs of tensors materialised earlier by another module,
-        or ``None`` when the module had no meta tensor of its own.
-        """
-        found_meta = False
-        already_initialized: list[tuple[torch.Tensor, torch.Tensor]] = []
         own = [*module.named_parameters(recurse=False, remove_duplicate=False),
                *module.named_buffers(recurse=False, remove_duplicate=False)]
-        for name, tensor in own:
-            if not tensor.is_meta:
-                continue
-            found_meta = True
+        meta = [(name, tensor) for name, tensor in own if tensor.is_meta]
+        if not meta:
+            return
+        already_initialized = []  # (tensor materialised by an earlier owner, its value)
+        for name, tensor in meta:
             earlier = self._materialized.get(id(tensor))
             replacement = earlier() if earlier is not None else None
             if replacement is not None:
@@ -209,7 +164,23 @@ class MetaMaterializer:
                 self._materialized[id(tensor)] = weakref.ref(replacement)
                 self._keep_alive.append(tensor)
             setattr(module, name, replacement)  # re-registers under the same kind and name
-        return already_initialized if found_meta else None
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            with torch.no_grad():
+                reset()
+                for tensor, value in already_initialized:
+                    tensor.copy_(value)
+
+    def materialize_unit(self, root: nn.Module) -> None:
+        """Materialise whatever of ``root``'s unit is still on the meta device."""
+        if not any(t.is_meta for m in unit_modules(root, self.ignored_modules) for t in _own_tensors(m)):
+            return
+        if self.param_init_fn is not None:
+            for module in unit_modules(root, self.ignored_modules, breadth_first=True):
+                self.param_init_fn(module)
+            return
+        for module in unit_modules(root, self.ignored_modules):
+            self.materialize_own_states(module)
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -219,11 +190,8 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 @torch.no_grad()
 def broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored_modules: set[nn.Module],
                          ignored_params: set[nn.Parameter]) -> None:
-    """``sync_module_states``: give every rank mesh-rank 0's parameters and buffers of this unit.
-
-    Nested units synced their own states before they were sharded. Works on CPU tensors with
-    gloo, where FSDP1 refuses.
-    """
+    """``sync_module_states``: give every rank mesh-rank 0's parameters and buffers of this unit
+    (nested units synced theirs before they were sharded). Works on CPU with gloo, unlike FSDP1."""
     tensors = [t.data if isinstance(t, nn.Parameter) else t
                for m in unit_modules(module, ignored_modules) for t in _own_tensors(m)
                if t not in ignored_params and not isinstance(t, DTensor)]

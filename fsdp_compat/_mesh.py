@@ -1,9 +1,6 @@
-"""Turning FSDP1's ``process_group`` / ``device_mesh`` / ``sharding_strategy`` into an engine mesh.
-
-FSDP1 takes a process group (a tuple ``(intra_node, inter_node)`` for hybrid strategies) or a
-device mesh; the engine takes a 1-D mesh (shard) or a 2-D mesh ``(replicate, shard)``. Meshes are
-cached so that auto-wrapping a model with many units creates its process groups once.
-"""
+"""FSDP1's ``process_group`` (``(intra_node, inter_node)`` for hybrid strategies) or ``device_mesh``
+as the engine's 1-D (shard) or 2-D ``(replicate, shard)`` mesh, cached so that auto-wrapping many
+units creates the process groups once."""
 
 from __future__ import annotations
 
@@ -46,12 +43,8 @@ def resolve_device(device_id: int | torch.device | None, process_group: Any) -> 
     return communication_device(process_group[0] if isinstance(process_group, tuple) else process_group)
 
 
-def build_mesh(
-    strategy: ShardingStrategy,
-    process_group: Any,
-    device_mesh: DeviceMesh | None,
-    device: torch.device,
-) -> DeviceMesh:
+def build_mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: DeviceMesh | None,
+               device: torch.device) -> DeviceMesh:
     """The engine mesh for ``strategy``: 2-D ``(replicate, shard)`` for hybrid strategies, else 1-D."""
     hybrid = strategy in HYBRID_STRATEGIES
     if device_mesh is not None:
@@ -60,17 +53,13 @@ def build_mesh(
         if process_group is None:
             return _default_hybrid_mesh(device.type)
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
-            raise ValueError(
-                "Expected process_group to be passed in as either None or "
-                f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}; pass "
-                "(intra_node_group, inter_node_group) or a 2-D device_mesh for hybrid sharding"
-            )
+            raise ValueError("Expected process_group to be passed in as either None or "
+                             f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}; pass "
+                             "(intra_node_group, inter_node_group) or a 2-D device_mesh for hybrid sharding")
         return _mesh_from_group_pair(process_group[0], process_group[1], device.type)
     if isinstance(process_group, tuple):
-        raise ValueError(
-            f"A (intra_node, inter_node) process_group tuple is only valid for hybrid strategies, "
-            f"not {strategy}; pass a single process group"
-        )
+        raise ValueError(f"A (intra_node, inter_node) process_group tuple is only valid for hybrid strategies, "
+                         f"not {strategy}; pass a single process group")
     group = cast(dist.ProcessGroup, process_group if process_group is not None else dist.group.WORLD)
     return _cached(("1d", group, device.type), lambda: DeviceMesh.from_group(group, device.type))
 
@@ -82,16 +71,12 @@ def flatten_to_1d(mesh: DeviceMesh) -> DeviceMesh:
 
 def _check_given_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
     if hybrid and mesh.ndim != 2:
-        raise ValueError(
-            f"Expected device_mesh to have ndim=2 but got {mesh.ndim}; hybrid sharding needs a 2-D "
-            "mesh (replicate, shard), e.g. init_device_mesh(device, (num_nodes, ranks_per_node), "
-            "mesh_dim_names=('replicate', 'shard'))"
-        )
+        raise ValueError(f"Expected device_mesh to have ndim=2 but got {mesh.ndim}; hybrid sharding needs a 2-D "
+                         "mesh (replicate, shard), e.g. init_device_mesh(device, (num_nodes, ranks_per_node), "
+                         "mesh_dim_names=('replicate', 'shard'))")
     if not hybrid and mesh.ndim != 1:
-        raise ValueError(
-            f"Expected device_mesh to have ndim=1 but got {mesh.ndim}; only hybrid strategies take "
-            "a 2-D mesh"
-        )
+        raise ValueError(f"Expected device_mesh to have ndim=1 but got {mesh.ndim}; only hybrid strategies take "
+                         "a 2-D mesh")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         return _cached(("named", mesh), lambda: DeviceMesh(mesh.device_type, mesh.mesh,
                                                            mesh_dim_names=MESH_DIM_NAMES_2D))

@@ -1,19 +1,10 @@
 """FSDP1's ``MixedPrecision`` and ``CPUOffload`` on the engine's policies, plus what the engine lacks.
 
-Field by field (FSDP1 semantics, and who implements them):
-
-* ``param_dtype`` / ``reduce_dtype``: the engine's ``MixedPrecisionPolicy`` (``reduce_dtype=None``
-  is passed as ``param_dtype``, FSDP1's meaning); sharded master parameters keep their dtype.
-* ``cast_forward_inputs``: the engine's per-unit input cast. ``cast_root_forward_inputs``: ours,
-  at the root wrapper (:func:`root_pre_forward`).
-* ``buffer_dtype``: ours. Like FSDP1, buffers are cast once, when the root runs its first forward,
-  each to the ``buffer_dtype`` of the innermost unit that holds it; their original dtypes are
-  recorded at construction for state dicts (:func:`original_buffer_dtypes`).
-* ``keep_low_precision_grads``: ours. The engine always hands the optimizer gradients in the
-  parameter dtype; a post-accumulate-grad hook on each sharded parameter (the engine calls these
-  after it writes ``.grad``) turns them into ``param_dtype`` gradients.
-* ``_module_classes_to_ignore``: with an auto-wrap policy, modules of those classes become their
-  own units with ``mixed_precision=None`` and run on fp32 inputs (:func:`prepare_individually_wrapped`).
+The engine's ``MixedPrecisionPolicy`` does ``param_dtype``, ``reduce_dtype`` and
+``cast_forward_inputs``; this module does the rest as FSDP1 does: ``cast_root_forward_inputs`` and
+``buffer_dtype`` at the root's forward (:func:`root_pre_forward`), ``keep_low_precision_grads``
+with post-accumulate-grad hooks, ``_module_classes_to_ignore`` as units of their own
+(:func:`prepare_individually_wrapped`).
 """
 
 from __future__ import annotations
@@ -28,16 +19,16 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.nn.utils.rnn import PackedSequence
 
 from . import _engine
 from ._common import clean_name, warn_once
-from ._engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._unit_state import UnitState, units_with_paths
 from .api import CPUOffload, MixedPrecision
 
-# FSDP1's switch for running eval-mode forwards in full precision; the engine fixes the compute
-# dtype of a unit at its first all-gather, so we can only say that it is not honoured.
+# FSDP1's switch for full-precision eval forwards; the engine fixes a unit's compute dtype at its
+# first all-gather, so we can only say that it is not honoured.
 _FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
 # Marks a sharded parameter whose gradients are kept in low precision (and in which dtype). It is
 # a Python attribute of the parameter, like its hooks, so a tensor swap removes both together.
@@ -45,13 +36,9 @@ _LOW_PRECISION_GRAD_MARK = "_fsdp_compat_low_precision_grad_dtype"
 
 
 def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy:
-    """The engine's policy for FSDP1's ``MixedPrecision`` (parameter and reduction dtypes).
-
-    FSDP2 defaults ``cast_forward_inputs`` to True; FSDP1 to False, so it is always passed.
-    FSDP1's ``reduce_dtype=None`` reduces (and accumulates ``no_sync`` gradients) in
-    ``param_dtype``; the engine's ``None`` means that only before torch 2.15 (from 2.15 it means
-    the parameter's own dtype), so ``param_dtype`` is passed explicitly: the same on every torch.
-    """
+    """The engine's policy for FSDP1's ``MixedPrecision``. ``cast_forward_inputs`` is always
+    passed (defaults differ). FSDP1's ``reduce_dtype=None`` means ``param_dtype``; the engine's
+    ``None`` means that only before torch 2.15, so ``param_dtype`` is passed explicitly."""
     if mixed_precision is None:
         return MixedPrecisionPolicy(cast_forward_inputs=False)
     return MixedPrecisionPolicy(
@@ -74,14 +61,10 @@ _input_dtype_of: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.Wea
 
 def prepare_individually_wrapped(module: nn.Module,
                                  mixed_precision: MixedPrecision | None) -> tuple[type[nn.Module], ...]:
-    """FSDP1's treatment of ``_module_classes_to_ignore`` under an auto-wrap policy.
-
-    Returns the classes that the wrap planner must wrap on their own with ``mixed_precision=None``.
-    Like FSDP1, every instance of them (ignored ones too) gets ``_wrap_overrides`` (read by
-    :func:`fsdp_compat.wrap.wrap`) and forward hooks that run it on fp32 inputs and cast its
-    outputs back to the input dtype, so the low-precision modules around it see what they expect.
-    FSDP1 does this only with an auto-wrap policy; without one such modules run in ``param_dtype``.
-    """
+    """FSDP1's treatment of ``_module_classes_to_ignore`` under an auto-wrap policy: returns the
+    classes the wrap planner must wrap on their own with ``mixed_precision=None``. Like FSDP1,
+    every instance (ignored ones too) gets ``_wrap_overrides`` (read by :func:`fsdp_compat.wrap.wrap`)
+    and forward hooks that run it on fp32 inputs and cast its outputs back to the input dtype."""
     if mixed_precision is None:
         return ()
     classes = tuple(set(mixed_precision._module_classes_to_ignore))
@@ -106,23 +89,14 @@ def prepare_individually_wrapped(module: nn.Module,
 
 
 def _cast_inputs_to_full_precision(module: nn.Module, args: Any) -> Any:
-    return _map_floating_tensors(args, functools.partial(_cast_and_record, module, torch.float32),
-                                 skip_dtype=torch.float32)
+    return _cast_floating_tensors(args, torch.float32, recording_for=module)
 
 
 def _cast_outputs_to_input_dtype(module: nn.Module, args: Any, output: Any) -> Any:
     dtype = _input_dtype_of.get(module)
     if dtype is None:  # no floating-point input was ever cast: nothing to restore (FSDP1 too)
         return None
-    return _map_floating_tensors(output, functools.partial(_cast_and_record, module, dtype),
-                                 skip_dtype=dtype)
-
-
-def _cast_and_record(module: nn.Module, dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
-    # FSDP1 records the dtype of every tensor it casts, outputs included: the next forward with
-    # fp32 inputs then leaves the outputs in fp32. Same bookkeeping, same behaviour.
-    _input_dtype_of[module] = tensor.dtype
-    return tensor.to(dtype)
+    return _cast_floating_tensors(output, dtype, recording_for=module)
 
 
 def init_unit(unit: UnitState) -> None:
@@ -136,36 +110,30 @@ def init_unit(unit: UnitState) -> None:
 
 def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """What FSDP1's root does for mixed precision before each forward.
-
-    The first time, buffers get their computation dtype (FSDP1's lazy initialisation); every
-    time, low-precision-gradient hooks are re-installed where missing (``module.to()`` and the
-    flat-parameter upcast swap fresh contents into the parameters, and the hooks leave with the
-    old ones) and the root's floating-point inputs are cast.
-    """
+    """What FSDP1's root does for mixed precision before each forward: the first time, cast the
+    buffers (FSDP1's lazy initialisation); every time, re-install low-precision-gradient hooks
+    where missing (``module.to()`` and the flat-parameter upcast swap the parameters' contents,
+    and the hooks leave with the old ones) and cast the root's floating-point inputs."""
     if not root.buffers_cast_for_computation:
         _cast_buffers_for_computation(units)
         root.buffers_cast_for_computation = True
     for unit in units:
         _install_low_precision_grad_hooks(unit)
-    policy = root.mixed_precision  # FSDP1's cast_root_forward_inputs: to param_dtype, at the root
+    policy = root.mixed_precision
     if policy is None or policy.param_dtype is None or not policy.cast_root_forward_inputs:
         return args, kwargs
-    return cast_floating_tensors(args, policy.param_dtype), cast_floating_tensors(kwargs, policy.param_dtype)
+    return _cast_floating_tensors((args, kwargs), policy.param_dtype)
 
 
 @torch.no_grad()
 def _cast_buffers_for_computation(units: list[UnitState]) -> None:
-    """Cast each floating-point buffer to the ``buffer_dtype`` of the innermost unit holding it.
-
-    ``units`` is in pre-order; walking it backwards visits inner units first, so the owning
-    unit's setting wins (a batch-norm unit with ``mixed_precision=None`` keeps fp32 buffers).
-    Buffers of ignored modules are left alone, as in FSDP1.
-    """
+    """Cast each floating-point buffer to the ``buffer_dtype`` of the innermost unit holding it
+    (``units`` is in pre-order: reversed, inner units come first). Buffers of ignored modules are
+    left alone, as in FSDP1."""
     visited: set[int] = set()
     for unit in reversed(units):
         dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
-        ignored = {id(buffer) for module in unit.ignored_modules for buffer in module.buffers(recurse=False)}
+        ignored = _ignored_buffer_ids(unit)
         for buffer in unit.wrapper.buffers():
             if id(buffer) in visited:
                 continue
@@ -175,17 +143,14 @@ def _cast_buffers_for_computation(units: list[UnitState]) -> None:
 
 
 def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
-    """Clean buffer FQN (relative to ``root``) -> dtype to restore in FULL / SHARDED state dicts.
-
-    FSDP1 restores a buffer's original dtype in those state dicts when buffer mixed precision is
-    enabled for a unit whose subtree holds it (it clones the buffer first: the live buffer stays
-    in ``buffer_dtype``). Buffers of ignored modules are not listed (FSDP1 skips them too).
-    """
+    """Clean buffer FQN (relative to ``root``) -> dtype to restore in FULL / SHARDED state dicts:
+    FSDP1 restores it (on a clone) where buffer mixed precision is enabled for a unit whose subtree
+    holds the buffer, except for buffers of ignored modules."""
     restored: dict[str, torch.dtype] = {}
     for path, unit in units_with_paths(root):
         if unit.mixed_precision is None or unit.mixed_precision.buffer_dtype is None:
             continue
-        ignored = {id(b) for module in unit.ignored_modules for b in module.buffers(recurse=False)}
+        ignored = _ignored_buffer_ids(unit)
         ignored_names = {clean_name(name) for name, b in unit.wrapper.named_buffers() if id(b) in ignored}
         for name, dtype in unit.buffer_name_to_orig_dtype.items():
             if name not in ignored_names:
@@ -193,15 +158,14 @@ def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
     return restored
 
 
-def _install_low_precision_grad_hooks(unit: UnitState) -> None:
-    """With ``keep_low_precision_grads``, make the unit's gradients ``param_dtype`` after backward.
+def _ignored_buffer_ids(unit: UnitState) -> set[int]:
+    return {id(buffer) for module in unit.ignored_modules for buffer in module.buffers(recurse=False)}
 
-    The engine reduces in ``reduce_dtype``, casts to the parameter dtype and then runs the
-    parameter's post-accumulate-grad hooks; ours casts to ``param_dtype`` (FSDP1 leaves ``.grad``
-    in ``param_dtype`` too). A later backward without ``zero_grad`` adds the new full-precision
-    gradient into the low-precision one, computing in fp32 and rounding once: what FSDP1 does
-    by upcasting, adding and casting down.
-    """
+
+def _install_low_precision_grad_hooks(unit: UnitState) -> None:
+    """With ``keep_low_precision_grads``, make the unit's gradients ``param_dtype`` after backward:
+    the engine runs post-accumulate-grad hooks after writing ``.grad``; ours casts it. A later
+    backward without ``zero_grad`` adds in fp32 and rounds once, as FSDP1's upcast-add-cast."""
     policy = unit.mixed_precision
     if policy is None or not policy.keep_low_precision_grads or policy.param_dtype is None:
         return
@@ -221,20 +185,21 @@ def _cast_grad(param: torch.Tensor, dtype: torch.dtype) -> None:
         param.grad = param.grad.to(dtype)
 
 
-def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor not already in ``dtype`` cast to it.
+def _cast_floating_tensors(value: Any, dtype: torch.dtype, recording_for: nn.Module | None = None) -> Any:
+    """``value`` with every floating-point tensor not in ``dtype`` cast to it, walking containers
+    as FSDP1 (and the engine) do: dataclasses, dicts, namedtuples, lists, tuples, sets; a
+    ``PackedSequence`` passes unchanged. FSDP1 records the dtype of every tensor it casts for an
+    overridden module, outputs included (the next forward with fp32 inputs then leaves the outputs
+    in fp32): ``recording_for`` does the same bookkeeping."""
 
-    Containers are walked as FSDP1 (and the engine, for non-root units) walk them: dataclasses,
-    ``OrderedDict`` and other dicts, namedtuples, lists, tuples and sets; a ``PackedSequence``
-    is passed through unchanged, as FSDP1 does. Autograd history is kept.
-    """
-    return _map_floating_tensors(value, lambda tensor: tensor.to(dtype), skip_dtype=dtype)
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        if recording_for is not None:
+            _input_dtype_of[recording_for] = tensor.dtype
+        return tensor.to(dtype)
 
-
-def _map_floating_tensors(value: Any, fn: Any, skip_dtype: torch.dtype) -> Any:
     def visit(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
-            return fn(item) if torch.is_floating_point(item) and item.dtype != skip_dtype else item
+            return cast(item) if torch.is_floating_point(item) and item.dtype != dtype else item
         if dataclasses.is_dataclass(item) and not isinstance(item, type):
             changes = {f.name: visit(getattr(item, f.name)) for f in dataclasses.fields(item) if f.init}
             return dataclasses.replace(item, **changes)

@@ -1,12 +1,7 @@
-"""Public enums and configuration dataclasses, field-for-field compatible with torch FSDP1.
+"""Public enums and configuration dataclasses, field-for-field compatible with torch FSDP1's.
 
-torch ships the same names in ``torch.distributed.fsdp.api``. We define our own so that the
-package keeps working once torch deletes FSDP1, and we *coerce* torch's objects wherever a user
-passes them (``coerce_*`` below): a drop-in user changes only the class import.
-
-Our enum members compare equal to (and hash like) torch's members of the same name, so code
-such as ``settings.state_dict_type == torch.distributed.fsdp.StateDictType.FULL_STATE_DICT``
-keeps working when ``settings`` came from us.
+Our own, so that the package outlives FSDP1; torch's objects are *coerced* wherever a user passes
+them (``coerce_*``), and our enum members compare equal to (and hash like) torch's of the same name.
 """
 
 from __future__ import annotations
@@ -21,23 +16,10 @@ import torch
 
 from ._engine import BatchNormBase
 
-__all__ = [
-    "ShardingStrategy",
-    "BackwardPrefetch",
-    "MixedPrecision",
-    "CPUOffload",
-    "StateDictType",
-    "StateDictConfig",
-    "FullStateDictConfig",
-    "LocalStateDictConfig",
-    "ShardedStateDictConfig",
-    "OptimStateDictConfig",
-    "FullOptimStateDictConfig",
-    "LocalOptimStateDictConfig",
-    "ShardedOptimStateDictConfig",
-    "StateDictSettings",
-    "OptimStateKeyType",
-]
+__all__ = ["ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType", "StateDictConfig",
+           "FullStateDictConfig", "LocalStateDictConfig", "ShardedStateDictConfig", "OptimStateDictConfig",
+           "FullOptimStateDictConfig", "LocalOptimStateDictConfig", "ShardedOptimStateDictConfig", "StateDictSettings",
+           "OptimStateKeyType"]
 
 
 class _InteroperableEnum(Enum):
@@ -172,10 +154,7 @@ class StateDictSettings:
     optim_state_dict_config: OptimStateDictConfig
 
 
-# ---------------------------------------------------------------------------------------------
-# Coercion of torch's FSDP1 objects (and of ours) into ours.
-# We recognise torch's objects by class name only: importing FSDP1's modules is what we avoid.
-# ---------------------------------------------------------------------------------------------
+# ---- Coercion of torch's FSDP1 objects into ours (by class name: FSDP1 is never imported) ----
 
 _EnumT = TypeVar("_EnumT", bound=Enum)
 _ConfigT = TypeVar("_ConfigT")
@@ -189,19 +168,15 @@ def coerce_enum(value: Any, enum_class: type[_EnumT], argument: str) -> _EnumT:
     """Return ``value`` as a member of our ``enum_class``, accepting torch's equally named enum."""
     if isinstance(value, enum_class):
         return value
-    if isinstance(value, Enum) and type(value).__name__ == enum_class.__name__:
-        if value.name in enum_class.__members__:
-            return enum_class[value.name]
+    if isinstance(value, Enum) and type(value).__name__ == enum_class.__name__ and value.name in enum_class.__members__:
+        return enum_class[value.name]
     choices = ", ".join(f"{enum_class.__name__}.{name}" for name in enum_class.__members__)
     raise ValueError(f"{argument} must be one of {choices}; got {value!r}")
 
 
 def coerce_config(value: Any, expected: type[_ConfigT], argument: str) -> _ConfigT:
-    """Return ``value`` as an instance of our dataclass, converting torch's equally named class.
-
-    Subclasses are kept: a ``FullStateDictConfig`` passed where a ``StateDictConfig`` is expected
-    stays a ``FullStateDictConfig``.
-    """
+    """Return ``value`` as an instance of our dataclass, converting torch's equally named class
+    (subclasses are kept: a ``FullStateDictConfig`` passed as a ``StateDictConfig`` stays one)."""
     if isinstance(value, expected):
         return value
     ours = _CONFIG_CLASSES.get(type(value).__name__) if dataclasses.is_dataclass(value) else None
@@ -209,10 +184,8 @@ def coerce_config(value: Any, expected: type[_ConfigT], argument: str) -> _Confi
         fields = {field.name: getattr(value, field.name) for field in dataclasses.fields(ours)
                   if hasattr(value, field.name)}
         return ours(**fields)
-    raise TypeError(
-        f"{argument} must be a {expected.__name__} (from fsdp_compat or torch.distributed.fsdp); "
-        f"got {type(value).__name__}"
-    )
+    raise TypeError(f"{argument} must be a {expected.__name__} (from fsdp_compat or torch.distributed.fsdp); "
+                    f"got {type(value).__name__}")
 
 
 def coerce_optional_config(value: Any, expected: type[_ConfigT], argument: str) -> _ConfigT | None:

@@ -1,10 +1,8 @@
 """Auto-wrap policies and manual wrapping (``wrap`` / ``enable_wrap``), as in torch FSDP1.
 
-A policy decides which submodules become their own :class:`FullyShardedDataParallel` unit (one
-engine parameter group each). Every policy, ours or torch's, is reduced to one question answered by
-:func:`plan_wrapping`: *which modules get wrapped, with which keyword overrides?* The wrapper then
-replaces those modules bottom-up. torch's policy objects and functions are recognised and
-translated to ours, so torch's FSDP1 wrap code is never run.
+Every policy, ours or torch's (translated, so torch's FSDP1 wrap code never runs), is reduced by
+:func:`plan_wrapping` to *which submodules become their own unit, with which keyword overrides*;
+the wrapper then replaces those modules bottom-up.
 """
 
 from __future__ import annotations
@@ -48,10 +46,8 @@ class _Policy:
                 continue
             decision = self._lambda_fn(module)
             if not isinstance(decision, (dict, bool)):
-                raise ValueError(
-                    "The lambda_fn passed to CustomPolicy should return False/True or a kwarg "
-                    f"dict, but it returned {decision}"
-                )
+                raise ValueError("The lambda_fn passed to CustomPolicy should return False/True or a kwarg "
+                                 f"dict, but it returned {decision}")
             if decision:
                 targets[module] = {**root_kwargs, **(decision if isinstance(decision, dict) else {})}
         return targets
@@ -62,7 +58,6 @@ class ModuleWrapPolicy(_Policy):
 
     def __init__(self, module_classes: Iterable[type[nn.Module]]):
         self._module_classes = set(module_classes)
-        self._module_classes_str = str(self._module_classes)
 
     def _lambda_fn(self, module: nn.Module) -> bool:  # type: ignore[override]
         return isinstance(module, tuple(self._module_classes))
@@ -71,15 +66,12 @@ class ModuleWrapPolicy(_Policy):
         return _wrap_module_cls_individually(module, self._module_classes, recurse)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._module_classes_str})"
+        return f"{type(self).__name__}({self._module_classes})"
 
 
 class CustomPolicy(_Policy):
-    """Wrap the modules for which ``lambda_fn(module)`` is truthy.
-
-    ``lambda_fn`` returns ``True``/``False``, or a dict of constructor keyword overrides for that
-    module (for example ``{"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}``).
-    """
+    """Wrap the modules for which ``lambda_fn(module)`` is truthy: ``True``/``False``, or a dict of
+    constructor keyword overrides (e.g. ``{"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}``)."""
 
     def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]):
         self._lambda_fn = lambda_fn  # type: ignore[assignment]
@@ -90,20 +82,15 @@ def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
     return True
 
 
-def lambda_auto_wrap_policy(
-    module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable[[nn.Module], bool]
-) -> bool:
+def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                            lambda_fn: Callable[[nn.Module], bool]) -> bool:
     """Wrap the modules for which ``lambda_fn(module)`` is true (use with ``functools.partial``);
     the class-based policies are this one with an ``isinstance`` test."""
     return recurse or bool(lambda_fn(module))
 
 
-def transformer_auto_wrap_policy(
-    module: nn.Module,
-    recurse: bool,
-    nonwrapped_numel: int,
-    transformer_layer_cls: Iterable[type[nn.Module]],
-) -> bool:
+def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                 transformer_layer_cls: Iterable[type[nn.Module]]) -> bool:
     """Wrap every instance of ``transformer_layer_cls`` (use with ``functools.partial``)."""
     return _wrap_module_cls_individually(module, transformer_layer_cls, recurse)
 
@@ -115,14 +102,9 @@ def _wrap_module_cls_individually(module: nn.Module, module_classes: Iterable[ty
     return recurse or isinstance(module, tuple(module_classes))
 
 
-def size_based_auto_wrap_policy(
-    module: nn.Module,
-    recurse: bool,
-    nonwrapped_numel: int,
-    min_num_params: int = int(1e8),
-    force_leaf_modules: set[type[nn.Module]] | None = None,
-    exclude_wrap_modules: set[type[nn.Module]] | None = None,
-) -> bool:
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                min_num_params: int = int(1e8), force_leaf_modules: set[type[nn.Module]] | None = None,
+                                exclude_wrap_modules: set[type[nn.Module]] | None = None) -> bool:
     """Wrap a module once its not-yet-wrapped parameters reach ``min_num_params`` elements."""
     if force_leaf_modules is None:
         force_leaf_modules = size_based_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
@@ -142,9 +124,7 @@ def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies
     return any(p(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for p in policies)
 
 
-# ------------------------------------------------------------------------------------------------
-# Translating torch's policies into ours (so that FSDP1's wrap module is never called).
-# ------------------------------------------------------------------------------------------------
+# ---- Translating torch's policies into ours (so that FSDP1's wrap module is never called) ----
 
 _TORCH_WRAP_MODULE = "torch.distributed.fsdp.wrap"
 _POLICY_FUNCTIONS: dict[str, Callable[..., bool]] = {function.__name__: function for function in (
@@ -173,31 +153,19 @@ def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
                             f"ModuleWrapPolicy, CustomPolicy, {', '.join(_POLICY_FUNCTIONS)} instead")
         return _POLICY_FUNCTIONS[name]
     if not callable(policy):
-        raise TypeError(
-            "auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable "
-            f"(module, recurse, nonwrapped_numel) -> bool; got {type(policy).__name__}"
-        )
+        raise TypeError("auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable "
+                        f"(module, recurse, nonwrapped_numel) -> bool; got {type(policy).__name__}")
     return policy
 
 
-# ------------------------------------------------------------------------------------------------
-# Planning: which modules to wrap. One mechanism for every kind of policy.
-# ------------------------------------------------------------------------------------------------
+# ---- Planning: which modules to wrap, one mechanism for every kind of policy ----
 
-
-def plan_wrapping(
-    root_module: nn.Module,
-    policy: Any,
-    ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter],
-    root_kwargs: dict[str, Any],
-    individually_wrapped_classes: tuple[type[nn.Module], ...] = (),
-) -> dict[nn.Module, dict[str, Any]]:
+def plan_wrapping(root_module: nn.Module, policy: Any, ignored_modules: set[nn.Module],
+                  ignored_params: set[nn.Parameter], root_kwargs: dict[str, Any],
+                  individually_wrapped_classes: tuple[type[nn.Module], ...] = ()) -> dict[nn.Module, dict[str, Any]]:
     """Return ``{module: constructor kwargs}`` for every submodule (never the root) to wrap.
-
     ``individually_wrapped_classes`` are wrapped on their own whatever the policy says (FSDP1 does
-    this for mixed precision's ``_module_classes_to_ignore``, with ``mixed_precision=None``).
-    """
+    this for mixed precision's ``_module_classes_to_ignore``, with ``mixed_precision=None``)."""
     policy = translate_policy(policy)
     root_kwargs = dict(root_kwargs, auto_wrap_policy=None)
     if isinstance(policy, _Policy):
@@ -234,17 +202,12 @@ def _plan_recursive(module: nn.Module, policy: CallablePolicy, ignored_modules: 
     return wrapped_numel
 
 
-def apply_wrapping(
-    root_module: nn.Module,
-    targets: dict[nn.Module, dict[str, Any]],
-    wrap_function: Callable[..., nn.Module],
-    before_visit: Callable[[nn.Module], None] | None = None,
-) -> None:
+def apply_wrapping(root_module: nn.Module, targets: dict[nn.Module, dict[str, Any]],
+                   wrap_function: Callable[..., nn.Module],
+                   before_visit: Callable[[nn.Module], None] | None = None) -> None:
     """Replace each target submodule, children before parents, by ``wrap_function(module, **kw)``.
-
     ``before_visit`` sees every module in pre-order (the root first) before anything below it is
-    wrapped; the wrapper materialises meta-device modules there.
-    """
+    wrapped; the wrapper materialises meta-device modules there."""
     visited: set[nn.Module] = {root_module}
 
     def visit(module: nn.Module) -> None:
@@ -261,10 +224,7 @@ def apply_wrapping(
     visit(root_module)
 
 
-# ------------------------------------------------------------------------------------------------
-# Manual wrapping: ``with enable_wrap(wrapper_cls=FSDP, **kwargs): layer = wrap(layer)``.
-# ------------------------------------------------------------------------------------------------
-
+# ---- Manual wrapping: ``with enable_wrap(wrapper_cls=FSDP, **kwargs): layer = wrap(layer)`` ----
 
 # ``enable_wrap``'s ``(wrapper_cls, kwargs)`` while its context is open.
 _manual_wrap: tuple[Callable[..., nn.Module], dict[str, Any]] | None = None
