@@ -60,7 +60,7 @@ class UnitState:
     # Clean buffer name (relative to the unit) -> dtype at construction, before any buffer_dtype cast.
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
     buffers_cast_for_computation: bool = False  # the root's: done at its first forward
-    handle_view: Any = None  # FSDP1's ``_handle`` stand-in (``_flat_param_view``), made on first use
+    handle_view: Any = None  # FSDP1's ``_flat_param``/``_handle`` stand-in (``_flat_param_view``), made on first use
 
     def __post_init__(self) -> None:
         self.process_group = self.device_mesh.get_group(self.device_mesh.ndim - 1)
