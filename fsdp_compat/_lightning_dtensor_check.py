@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -26,9 +26,6 @@ from ._unit_state import state_of
 # The module defining the check, under both of Lightning's package names.
 MODULE_NAMES = ("lightning.fabric.strategies.model_parallel", "lightning_fabric.strategies.model_parallel")
 CHECK_NAME = "_has_dtensor_modules"
-
-# module name -> Lightning's own check, for every module patched.
-_originals: dict[str, Callable[[object], bool]] = {}
 
 
 def patch() -> None:
@@ -43,11 +40,10 @@ def patch() -> None:
 def unpatch() -> None:
     """Give Lightning its own check back and remove the import hook. Idempotent."""
     sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _PatchOnImport)]
-    for name, original in list(_originals.items()):
-        module = sys.modules.get(name)
-        if module is not None and getattr(getattr(module, CHECK_NAME, None), "_fsdp_compat_original", None):
-            setattr(module, CHECK_NAME, original)
-        del _originals[name]
+    for name in MODULE_NAMES:
+        original = getattr(getattr(sys.modules.get(name), CHECK_NAME, None), "_fsdp_compat_original", None)
+        if original is not None:
+            setattr(sys.modules[name], CHECK_NAME, original)
 
 
 def _patch_module(module: ModuleType) -> None:
@@ -62,7 +58,6 @@ def _patch_module(module: ModuleType) -> None:
 
     has_dtensor_modules._fsdp_compat_original = original  # type: ignore[attr-defined]
     setattr(module, CHECK_NAME, has_dtensor_modules)
-    _originals[module.__name__] = original
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
