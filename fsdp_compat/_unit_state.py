@@ -67,14 +67,10 @@ class UnitState:
         self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
 
     @property
-    def wrapped(self) -> nn.Module:
-        """``_fsdp_wrapped_module``: read each time, activation checkpointing may replace it."""
-        return getattr(self.wrapper, FSDP_WRAPPED_MODULE)
-
-    @property
     def module(self) -> nn.Module:
-        """The engine unit: the wrapped module, inside any activation-checkpoint wrappers."""
-        return _engine.engine_module(self.wrapped)
+        """The engine unit: the wrapped module (read each time: activation checkpointing may replace
+        it), inside any activation-checkpoint wrappers."""
+        return _engine.engine_module(getattr(self.wrapper, FSDP_WRAPPED_MODULE))
 
 
 def state_of(module: Any) -> UnitState | None:
