@@ -11,7 +11,6 @@ CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
 CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
 
 
-
 class TrainingState(enum.Enum):
     """What a wrapper is doing now; FSDP1 uses these to reject calls at the wrong moment."""
 

@@ -1,23 +1,14 @@
 """FSDP1's private ``FlatParameter`` names, given a meaning on a per-parameter engine unit.
 
 FSDP1 keeps each unit's parameters in one 1-D ``FlatParameter`` (``_flat_param``) owned by a
-``FlatParamHandle`` (``_handle``); ``_has_params`` says whether a unit has one. accelerate (1.x,
-``Accelerator.prepare_model``) with mixed precision reads them to upcast the master weights::
-
-    for module in FSDP.fsdp_modules(model):
-        if not module._has_params:
-            continue
-        param = module._flat_param
-        if param.dtype != torch.float32 and param.device != torch.device("meta") and param.requires_grad:
-            log(module.module.__class__.__name__, ", ".join(module._flat_param._fqns))
-            param.data = param.data.to(torch.float32)
-            module._handle._orig_param_dtype = torch.float32
-
-:class:`FlatParamView` presents the unit's *local shards* as one flat parameter (``data`` is
-their concatenation, a copy); both writes are honoured (``data`` is copied back into the shards,
-re-typing them; ``_orig_param_dtype`` re-types them), so the loop upcasts as under FSDP1 while
-``MixedPrecision.param_dtype`` still decides the compute dtype. As in FSDP1, only before the
-first forward.
+``FlatParamHandle`` (``_handle``). accelerate (1.x, ``Accelerator.prepare_model``) with mixed
+precision upcasts the master weights through them: for each unit with ``_has_params`` whose
+``_flat_param`` is low-precision, it logs ``_flat_param._fqns``, assigns
+``_flat_param.data = _flat_param.data.to(torch.float32)`` and sets
+``_handle._orig_param_dtype = torch.float32``. :class:`FlatParamView` stands in for both objects:
+it presents the unit's *local shards* as one flat parameter and honours both writes by re-typing
+the shards, while ``MixedPrecision.param_dtype`` still decides the compute dtype. As in FSDP1, only
+before the first forward.
 """
 
 from __future__ import annotations
@@ -31,7 +22,8 @@ from ._unit_state import UnitState
 
 
 class FlatParamView:
-    """A read-mostly stand-in for FSDP1's ``FlatParameter`` of one unit (see module docstring)."""
+    """FSDP1's ``FlatParameter`` of one unit, and its ``FlatParamHandle`` (``flat_param``,
+    ``_orig_param_dtype``): one object, as nothing but the dtype belongs to the handle alone."""
 
     def __init__(self, unit: UnitState) -> None:
         self._unit = unit
@@ -43,15 +35,33 @@ class FlatParamView:
         return [param.to_local() for param in self._params()]
 
     @property
+    def flat_param(self) -> FlatParamView:
+        return self
+
+    @property
     def dtype(self) -> torch.dtype:
         """The unit's parameter dtype (FSDP1 requires one per unit). If the engine holds several
         (it allows frozen parameters of another dtype), the narrowest floating-point one, so that
         ``dtype != torch.float32`` still tells whether any parameter is held in low precision."""
         dtypes = {param.dtype for param in self._params()}
-        if len(dtypes) == 1:
-            return dtypes.pop()
         floating = [dtype for dtype in dtypes if dtype.is_floating_point]
         return min(floating or dtypes, key=lambda dtype: dtype.itemsize)
+
+    # The dtype the sharded (master) parameters are kept and stepped in: the handle's name for it.
+    @property
+    def _orig_param_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @_orig_param_dtype.setter
+    def _orig_param_dtype(self, dtype: torch.dtype) -> None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"The flat parameter can only be re-typed to a floating-point dtype, not {dtype}")
+        if all(param.dtype == dtype for param in self._params()):
+            return
+        if _engine.is_root_state_initialized(self._unit.module):
+            raise RuntimeError("Cannot change the parameter dtype of an FSDP unit after its first forward (FSDP1 "
+                               "fixes it at lazy initialisation too); change it right after wrapping")
+        _engine.set_sharded_param_dtype(self._unit.module, dtype)
 
     @property
     def device(self) -> torch.device:
@@ -66,39 +76,31 @@ class FlatParamView:
 
     @property
     def _fqns(self) -> list[str]:
-        """Names of the unit's parameters relative to the wrapped module, without wrapper
-        prefixes, each shared parameter once, nested units' parameters excluded: as FSDP1."""
+        """The unit's own parameters' clean names relative to the wrapped module, each shared one once."""
         owned = {id(param) for param in self._params()}
-        return [clean_name(name) for name, param in self._unit.module.named_parameters()
-                if id(param) in owned]
+        return [clean_name(name) for name, param in self._unit.module.named_parameters() if id(param) in owned]
 
     @property
     def data(self) -> torch.Tensor:
         """The local shards, flattened and concatenated into one new 1-D tensor (a copy)."""
-        shards = self._local_shards()
-        dtype = self.dtype
-        return torch.cat([shard.detach().reshape(-1).to(dtype) for shard in shards])
+        return torch.cat([shard.detach().reshape(-1).to(self.dtype) for shard in self._local_shards()])
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         if value.dim() != 1 or value.numel() != self.numel():
-            raise ValueError(
-                f"The flat parameter of this unit has {self.numel()} local elements; assign a 1-D "
-                f"tensor of that size (for example `flat_param.data.to(dtype)`), not shape "
-                f"{tuple(value.shape)}"
-            )
+            raise ValueError(f"The flat parameter of this unit has {self.numel()} local elements; assign a 1-D "
+                             f"tensor of that size (for example `flat_param.data.to(dtype)`), not shape "
+                             f"{tuple(value.shape)}")
         if value.is_floating_point() and value.dtype != self.dtype:
-            _set_param_dtype(self._unit, value.dtype)
+            self._orig_param_dtype = value.dtype
         with torch.no_grad():
             offset = 0
             for shard in self._local_shards():
-                count = shard.numel()
-                shard.copy_(value[offset:offset + count].view(shard.shape))
-                offset += count
+                shard.copy_(value[offset:offset + shard.numel()].view(shard.shape))
+                offset += shard.numel()
 
     @property
     def shape(self) -> torch.Size:
-        """``(local numel,)``: the flat parameter is 1-D."""
         return torch.Size([self.numel()])
 
     def numel(self) -> int:
@@ -106,52 +108,15 @@ class FlatParamView:
         return sum(shard.numel() for shard in self._local_shards())
 
 
-class HandleView:
-    """A stand-in for FSDP1's ``FlatParamHandle`` of one unit: its flat parameter and master dtype."""
-
-    def __init__(self, unit: UnitState) -> None:
-        self._unit = unit
-        self.flat_param = FlatParamView(unit)
-
-    @property
-    def _orig_param_dtype(self) -> torch.dtype:
-        """The dtype the sharded (master) parameters are kept and stepped in."""
-        return self.flat_param.dtype
-
-    @_orig_param_dtype.setter
-    def _orig_param_dtype(self, dtype: torch.dtype) -> None:
-        _set_param_dtype(self._unit, dtype)
-
-
-def _set_param_dtype(unit: UnitState, dtype: torch.dtype) -> None:
-    if not dtype.is_floating_point:
-        raise ValueError(f"The flat parameter can only be re-typed to a floating-point dtype, "
-                         f"not {dtype}")
-    if all(param.dtype == dtype for param in _engine.sharded_params(unit.module)):
-        return
-    if _engine.is_root_state_initialized(unit.module):
-        raise RuntimeError(
-            "Cannot change the parameter dtype of an FSDP unit after its first forward (FSDP1 "
-            "fixes it at lazy initialisation too); change it right after wrapping"
-        )
-    _engine.set_sharded_param_dtype(unit.module, dtype)
-
-
 def has_params(unit: UnitState) -> bool:
     """FSDP1's ``_has_params``: whether this unit manages any parameter of its own."""
     return bool(_engine.sharded_params(unit.module))
 
 
-def handle(unit: UnitState) -> HandleView | None:
-    """FSDP1's ``_handle``: ``None`` for a unit without parameters, as in FSDP1."""
+def flat_param(unit: UnitState) -> FlatParamView | None:
+    """FSDP1's ``_flat_param`` and ``_handle``: ``None`` for a unit without parameters, as in FSDP1."""
     if not has_params(unit):
         return None
     if unit.handle_view is None:
-        unit.handle_view = HandleView(unit)
+        unit.handle_view = FlatParamView(unit)
     return unit.handle_view
-
-
-def flat_param(unit: UnitState) -> FlatParamView | None:
-    """FSDP1's ``_flat_param``: ``None`` for a unit without parameters, as in FSDP1."""
-    view = handle(unit)
-    return view.flat_param if view is not None else None

@@ -1,16 +1,13 @@
 """Part of the switch: Lightning's "is this FSDP2?" check answers no for modules holding our units.
 
-Lightning tells FSDP2 / tensor-parallel models from FSDP1 ones by their ``DTensor`` parameters
-(``_has_dtensor_modules`` in ``lightning.fabric.strategies.model_parallel``), and does so *before*
-``isinstance(module, FullyShardedDataParallel)``. Our units hold ``DTensor`` parameters (the engine is
-FSDP2's) but keep FSDP1's ``_fsdp_wrapped_module.`` module names, so the FSDP2 branch of
-``_load_raw_module_state`` (``fabric.load`` and ``Trainer.fit(ckpt_path=...)`` of a FULL checkpoint)
-looks for wrapper-prefixed keys and fails. While the switch is on, that check answers ``False`` for a
-module that is or contains one of our units, so Lightning takes its FSDP1 branch, which is exactly the
-one it takes for torch's FSDP1. Any other module gets Lightning's own answer.
-
-Applied to the module if Lightning is already imported, and by an import hook when it is imported
-later; both undone by :func:`unpatch`. Nothing here imports Lightning.
+Lightning's ``_has_dtensor_modules`` (``lightning.fabric.strategies.model_parallel``) recognises
+FSDP2 by ``DTensor`` parameters, before it checks for FSDP1's class. Our units hold ``DTensor``
+parameters but FSDP1's ``_fsdp_wrapped_module.`` names, so its FSDP2 branch of
+``_load_raw_module_state`` (``fabric.load``, ``Trainer.fit(ckpt_path=...)`` of a FULL checkpoint)
+fails on them. While the switch is on, the check answers ``False`` for a module holding our units, so
+Lightning takes its FSDP1 branch; any other module gets Lightning's own answer. Applied at once if
+Lightning is imported, else by an import hook; both undone by :func:`unpatch`. Nothing here imports
+Lightning.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -29,9 +26,6 @@ from ._unit_state import state_of
 # The module defining the check, under both of Lightning's package names.
 MODULE_NAMES = ("lightning.fabric.strategies.model_parallel", "lightning_fabric.strategies.model_parallel")
 CHECK_NAME = "_has_dtensor_modules"
-
-# module name -> Lightning's own check, for every module patched.
-_originals: dict[str, Callable[[object], bool]] = {}
 
 
 def patch() -> None:
@@ -46,11 +40,10 @@ def patch() -> None:
 def unpatch() -> None:
     """Give Lightning its own check back and remove the import hook. Idempotent."""
     sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _PatchOnImport)]
-    for name, original in list(_originals.items()):
-        module = sys.modules.get(name)
-        if module is not None and getattr(getattr(module, CHECK_NAME, None), "_fsdp_compat_original", None):
-            setattr(module, CHECK_NAME, original)
-        del _originals[name]
+    for name in MODULE_NAMES:
+        original = getattr(getattr(sys.modules.get(name), CHECK_NAME, None), "_fsdp_compat_original", None)
+        if original is not None:
+            setattr(sys.modules[name], CHECK_NAME, original)
 
 
 def _patch_module(module: ModuleType) -> None:
@@ -65,7 +58,6 @@ def _patch_module(module: ModuleType) -> None:
 
     has_dtensor_modules._fsdp_compat_original = original  # type: ignore[attr-defined]
     setattr(module, CHECK_NAME, has_dtensor_modules)
-    _originals[module.__name__] = original
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

@@ -1,16 +1,12 @@
 """Optimizers built before wrapping keep training the wrapped model.
 
-FSDP1 with ``use_orig_params=True`` keeps every ``nn.Parameter`` object, so an optimizer built on
-the unwrapped model (Lightning Fabric's ``setup(model, optimizer)``, accelerate's
-``prepare(model, optimizer)``, hand-written code) keeps training it. The engine gives each unit
-new ``DTensor`` parameters, and the original object cannot become one: ``DTensor`` has
-``__slots__`` (``_local_tensor``, ``_spec``), so ``torch.utils.swap_tensors`` and ``__class__``
-assignment both refuse ("object layout differs"; torch 2.13 and 2.15). What the optimizer holds is
-therefore re-pointed instead: each wrapper records which parameter replaced which, and before any
-optimizer steps (a global ``torch.optim`` step pre-hook, public API) or has its state exported,
-its ``param_groups`` get the parameters the model holds now, with any state it already had moved
-to their layout. From the first step on it is the optimizer one would have built after wrapping,
-for both values of ``use_orig_params``.
+FSDP1 with ``use_orig_params=True`` keeps every ``nn.Parameter`` object, so an optimizer built on the
+unwrapped model (Fabric's ``setup(model, optimizer)``, accelerate's ``prepare``, hand-written code)
+keeps training it. The engine's new ``DTensor`` parameters cannot take the original objects' place
+(``DTensor`` has ``__slots__``: ``swap_tensors`` and ``__class__`` assignment refuse), so each
+wrapper records which parameter replaced which, and before any optimizer steps (a global step
+pre-hook) or has its state exported, its ``param_groups`` get the current parameters, with any state
+moved to their layout: the optimizer one would have built after wrapping, for both ``use_orig_params``.
 """
 
 from __future__ import annotations
@@ -55,7 +51,7 @@ def remember_replacements(before: ParamSlots) -> None:
         _replaced[original] = current
         _generation += 1
     if _generation and _hook_handle is None:
-        _hook_handle = register_optimizer_step_pre_hook(_rebind_before_step)
+        _hook_handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: rebind_optimizer(optimizer))
 
 
 def current_param(param: nn.Parameter) -> nn.Parameter:
@@ -79,10 +75,6 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
             if param in optimizer.state:
                 optimizer.state[current] = _moved_state(optimizer.state.pop(param), param, current)
     _checked[optimizer] = _generation
-
-
-def _rebind_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    rebind_optimizer(optimizer)
 
 
 def _moved_state(state: dict[str, Any], old: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:

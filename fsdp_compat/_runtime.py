@@ -1,11 +1,9 @@
 """Runtime controls around training steps: ``no_sync``, ``clip_grad_norm_``, ``summon_full_params``,
-comm hooks, ``apply``, forward prefetch and recovery after a step that raised.
+comm hooks, forward prefetch and recovery after a step that raised.
 
-Between steps the engine keeps each parameter as a sharded ``DTensor`` (``Shard(0)`` over the shard
-group, ``Replicate`` along the replicate dimension for hybrid strategies, ``Replicate`` alone for
-``NO_SHARD``). ``summon_full_params`` gathers those in their own precision rather than through the
-engine's unshard, which all-gathers in the mixed-precision ``param_dtype``: FSDP1 shows full
-precision inside, and the gathered copy is independent of the engine's buffers.
+``summon_full_params`` gathers the sharded ``DTensor`` parameters in their own precision rather than
+through the engine's unshard (which all-gathers in ``param_dtype``): FSDP1 shows full precision
+inside, and the gathered copy is independent of the engine's buffers.
 """
 
 from __future__ import annotations
@@ -40,7 +38,13 @@ def root_pre_forward(root: UnitState, args: tuple[Any, ...],
     if any(unit.training_state == TrainingState.SUMMON_FULL_PARAMS for unit in units):
         raise AssertionError("Cannot run forward inside summon_full_params(); exit the context first "
                              "(inside it the parameters are full copies, for reading or editing)")
-    _recover_interrupted_iteration(root)
+    # If the previous forward or backward raised midway, the engine is reset so this step runs
+    # normally; that step's unreduced gradients (and any no_sync accumulation) are dropped, those
+    # already reduced stay until zero_grad(). (FSDP1 cannot continue: it stays mid-iteration.)
+    if _engine.recover_interrupted_iteration(root.module):
+        warn_once("recovered_iteration", "A previous forward or backward raised midway; "
+                  "fsdp_compat reset the FSDP engine and dropped that step's unreduced gradients. "
+                  "Call optimizer.zero_grad() after such a step if it may have reduced some.")
     if root.forward_order is None:  # the first forward: the units record their order in it
         root.forward_order = []
         for unit in units:
@@ -48,17 +52,6 @@ def root_pre_forward(root: UnitState, args: tuple[Any, ...],
     elif any(unit.forward_prefetch for unit in units):
         _configure_forward_prefetch(root.forward_order)
     return _mixed_precision.root_pre_forward(root, units, args, kwargs)
-
-
-def _recover_interrupted_iteration(root: UnitState) -> None:
-    """If the previous forward or backward raised midway, reset the engine so this step runs
-    normally. That step's unreduced gradients (and any ``no_sync`` accumulation) are dropped;
-    gradients it had already reduced stay until ``zero_grad()``. (FSDP1 cannot continue after
-    such a step: its state stays mid-iteration.)"""
-    if _engine.recover_interrupted_iteration(root.module):
-        warn_once("recovered_iteration", "A previous forward or backward raised midway; "
-                  "fsdp_compat reset the FSDP engine and dropped that step's unreduced gradients. "
-                  "Call optimizer.zero_grad() after such a step if it may have reduced some.")
 
 
 def _configure_forward_prefetch(forward_order: list[UnitState]) -> None:
@@ -92,28 +85,12 @@ def no_sync(root: UnitState) -> Generator[None, None, None]:
             _engine.set_gradient_sync_flags(unit, flags)
 
 
-# ---------------------------------------------------------------------------------------------
-# clip_grad_norm_
-# ---------------------------------------------------------------------------------------------
-
-
 def _as_float(value: Any, name: str, expected: str) -> float:
     """``float(value)`` with FSDP1's exception type (``ValueError``/``TypeError``) and a clear message."""
     try:
         return float(value)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{name} must be {expected}, got {value!r}") from error
-
-
-def _check_clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
-    max_norm = _as_float(max_norm, "max_norm", "a non-negative number")
-    norm_type = _as_float(norm_type, "norm_type", "a positive number or 'inf'")
-    if not max_norm >= 0:  # also catches NaN
-        raise ValueError(f"max_norm must be a non-negative number, got {max_norm}: a negative bound "
-                         "would flip the gradients' sign")
-    if not norm_type > 0:
-        raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
-    return max_norm, norm_type
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -164,7 +141,13 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int,
                          "no gradient was clipped on any rank"):
         if not unit.is_root:
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
-        max_norm, norm_type = _check_clip_args(max_norm, norm_type)
+        max_norm = _as_float(max_norm, "max_norm", "a non-negative number")
+        norm_type = _as_float(norm_type, "norm_type", "a positive number or 'inf'")
+        if not max_norm >= 0:  # also catches NaN
+            raise ValueError(f"max_norm must be a non-negative number, got {max_norm}: a negative bound "
+                             "would flip the gradients' sign")
+        if not norm_type > 0:
+            raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
     grads = [param.grad for param in unit.wrapper.parameters() if param.grad is not None]
     total = _total_norm(grads, norm_type, unit.compute_device)
     if unit.cpu_offload.offload_params:
@@ -179,11 +162,6 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int,
     return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
 
 
-# ---------------------------------------------------------------------------------------------
-# summon_full_params and apply
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class _SummonedParam:
     """One managed parameter while its unit is summoned."""
@@ -192,11 +170,6 @@ class _SummonedParam:
     slots: list[_engine.ParamSlot]        # where it is registered (several for a tied weight)
     registered: nn.Parameter              # what the slots held before (restored on exit)
     full: nn.Parameter | None = None      # what they hold inside; None where this rank keeps shards
-
-
-def _registered(slot: _engine.ParamSlot) -> Any:
-    module, name = slot
-    return getattr(module, name)
 
 
 def _register(slots: list[_engine.ParamSlot], param: nn.Parameter) -> None:
@@ -231,23 +204,13 @@ def _validate_summon_args(units: list[UnitState], writeback: bool, rank0_only: b
                       "offload_to_cpu=True is meant for rank0_only=True.", stacklevel=4)
 
 
-def _check_can_summon(unit: UnitState) -> None:
-    if unit.training_state == TrainingState.SUMMON_FULL_PARAMS:
-        raise AssertionError("Cannot manually unshard parameters when already unsharding parameters "
-                             "(this module is inside an open summon_full_params(); use recurse=False "
-                             "on the outer call to summon inner modules separately)")
-    if _engine.iteration_in_progress(unit.module):
-        raise AssertionError("Cannot manually unshard parameters during forward/backward; call "
-                             "summon_full_params() before the forward or after the backward")
-
-
 def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
                  with_grads: bool, summoned: list[_SummonedParam]) -> None:
     """Gather the unit's parameters (every rank takes part) and register the full ones, recording
     each in ``summoned`` as soon as it is registered, so that a failure midway still restores it."""
     entries = []
     for engine_sharded, slots in _engine.unit_param_slots(unit.module):
-        registered = _registered(slots[0])
+        registered = getattr(*slots[0])
         # Normally the same object; the registered one wins if the user swapped in a new DTensor.
         sharded = registered if isinstance(registered, DTensor) else engine_sharded
         entries.append((sharded, slots, registered))
@@ -272,18 +235,14 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
 def _unsummon(item: _SummonedParam, writeback: bool, with_grads: bool) -> None:
     """Write the (possibly edited or replaced) full parameter back, then restore the shards."""
     if writeback and item.full is not None:
-        current = _registered(item.slots[0])  # ``fn`` in ``apply`` may have assigned a new one
-        if _is_full_value_of(current, item.sharded):
+        current = getattr(*item.slots[0])  # ``fn`` in ``apply`` may have assigned a new one
+        # Only a plain tensor of the full shape can be written back.
+        if (isinstance(current, torch.Tensor) and not isinstance(current, DTensor)
+                and current.shape == item.sharded.shape):
             _write_to_shard(current, item.sharded)
             if with_grads and current.grad is not None and item.sharded.grad is not None:
                 _write_to_shard(current.grad, cast(DTensor, item.sharded.grad))
     _register(item.slots, item.registered)
-
-
-def _is_full_value_of(candidate: Any, sharded: DTensor) -> bool:
-    """Whether ``candidate`` is a plain tensor of ``sharded``'s full shape (what can be written back)."""
-    return (isinstance(candidate, torch.Tensor) and not isinstance(candidate, DTensor)
-            and candidate.shape == sharded.shape)
 
 
 @contextlib.contextmanager
@@ -303,7 +262,13 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                          "The summon_full_params() arguments", "no parameters were gathered on any rank"):
         _validate_summon_args(units, writeback, rank0_only, offload_to_cpu, with_grads)
         for unit in units:
-            _check_can_summon(unit)
+            if unit.training_state == TrainingState.SUMMON_FULL_PARAMS:
+                raise AssertionError("Cannot manually unshard parameters when already unsharding parameters "
+                                     "(this module is inside an open summon_full_params(); use recurse=False "
+                                     "on the outer call to summon inner modules separately)")
+            if _engine.iteration_in_progress(unit.module):
+                raise AssertionError("Cannot manually unshard parameters during forward/backward; call "
+                                     "summon_full_params() before the forward or after the backward")
     summoned: list[_SummonedParam] = []
     try:
         with contextlib.ExitStack() as hooks_suspended:
@@ -323,20 +288,6 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             unit.training_state = TrainingState.IDLE
 
 
-def _check_comm_hook(root: UnitState, units: list[UnitState], hook: Any) -> None:
-    """FSDP1's checks, in its order and with its exception types."""
-    if not root.is_root:
-        raise AssertionError("register_comm_hook can only be called on a root instance.")
-    for unit in units:
-        if unit.sharding_strategy in HYBRID_STRATEGIES:
-            raise AssertionError(f"Communication hook is not supported for hybrid strategies: "
-                                 f"{unit.sharding_strategy}")
-        if unit.comm_hook is not None:
-            raise AssertionError("A communication hook is already registered")
-    if not callable(hook):
-        raise ValueError(f"The communication hook must be callable but got {hook}")
-
-
 def register_comm_hook(root: UnitState, state: object, hook: Callable[..., Any]) -> None:
     """FSDP1's ``register_comm_hook``: ``hook`` replaces the gradient communication of every unit.
 
@@ -347,10 +298,19 @@ def register_comm_hook(root: UnitState, state: object, hook: Callable[..., Any])
     """
     units = units_in(root.wrapper)
     # A hook registered on some ranks only would pair its collectives with the engine's default
-    # ones on the others: all ranks raise, and none registers.
+    # ones on the others: all ranks raise, and none registers. FSDP1's checks, order and types.
     with all_ranks_agree(mesh_groups(root.device_mesh), "The register_comm_hook() arguments",
                          "no hook was registered on any rank"):
-        _check_comm_hook(root, units, hook)
+        if not root.is_root:
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        for unit in units:
+            if unit.sharding_strategy in HYBRID_STRATEGIES:
+                raise AssertionError(f"Communication hook is not supported for hybrid strategies: "
+                                     f"{unit.sharding_strategy}")
+            if unit.comm_hook is not None:
+                raise AssertionError("A communication hook is already registered")
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable but got {hook}")
     for unit in units:
         unit.comm_hook = hook
         unit.comm_hook_state = state

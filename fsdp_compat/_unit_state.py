@@ -60,21 +60,17 @@ class UnitState:
     # Clean buffer name (relative to the unit) -> dtype at construction, before any buffer_dtype cast.
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
     buffers_cast_for_computation: bool = False  # the root's: done at its first forward
-    handle_view: Any = None  # FSDP1's ``_handle`` stand-in (``_flat_param_view``), made on first use
+    handle_view: Any = None  # FSDP1's ``_flat_param``/``_handle`` stand-in (``_flat_param_view``), made on first use
 
     def __post_init__(self) -> None:
         self.process_group = self.device_mesh.get_group(self.device_mesh.ndim - 1)
         self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
 
     @property
-    def wrapped(self) -> nn.Module:
-        """``_fsdp_wrapped_module``: read each time, activation checkpointing may replace it."""
-        return getattr(self.wrapper, FSDP_WRAPPED_MODULE)
-
-    @property
     def module(self) -> nn.Module:
-        """The engine unit: the wrapped module, inside any activation-checkpoint wrappers."""
-        return _engine.engine_module(self.wrapped)
+        """The engine unit: the wrapped module (read each time: activation checkpointing may replace
+        it), inside any activation-checkpoint wrappers."""
+        return _engine.engine_module(getattr(self.wrapper, FSDP_WRAPPED_MODULE))
 
 
 def state_of(module: Any) -> UnitState | None:

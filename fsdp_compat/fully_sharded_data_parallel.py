@@ -1,11 +1,7 @@
-"""``FullyShardedDataParallel``: torch FSDP1's public class, running on the FSDP2 engine.
+"""``FullyShardedDataParallel``: torch FSDP1's public class, a thin facade over the FSDP2 engine.
 
-The class is a thin facade. Each instance is one engine unit: its wrapped module is handed to
-``fully_shard`` (or the engine's ``replicate`` for ``NO_SHARD``), and nested instances (from an
-auto-wrap policy or manual nesting) become nested units, applied bottom-up. The FSDP1 extras live
-in their own modules: state dicts (``_state_dict``), optimizer state (``_optim_state``), and the
-runtime controls ``no_sync`` / ``clip_grad_norm_`` / ``summon_full_params`` / comm hooks
-(``_runtime``).
+Each instance is one engine unit (``fully_shard``, or the engine's ``replicate`` for ``NO_SHARD``);
+nested instances become nested units, applied bottom-up. The FSDP1 extras live in feature modules.
 """
 
 from __future__ import annotations
@@ -85,17 +81,14 @@ def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShar
 class FullyShardedDataParallel(nn.Module):
     """Drop-in replacement for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1).
 
-    Same constructor, attributes, names and methods as FSDP1; sharding, collectives, prefetching
-    and resharding are done by torch's per-parameter FSDP2 engine. Differences from FSDP1:
+    Same constructor, attributes, names and methods as FSDP1; torch's per-parameter FSDP2 engine
+    shards, communicates, prefetches and reshards. Differences from FSDP1:
 
-    * Parameters are always the original parameters (sharded as ``DTensor``), whatever
-      ``use_orig_params`` says: there is no ``FlatParameter``. ``named_parameters()`` gives
-      ``_fsdp_wrapped_module.``-prefixed original names for both settings.
-    * A meta-device model is materialised in module order, so the same seed gives the values of
-      eager construction (FSDP1 initialises unit by unit).
-    * ``limit_all_gathers=False`` and ``backward_prefetch`` other than ``BACKWARD_PRE`` are accepted
-      with a one-time warning: the engine always rate-limits all-gathers and prefetches the next
-      unit before the current unit's gradient computation.
+    * Parameters are always the original ones (sharded ``DTensor``), whatever ``use_orig_params``
+      says (no ``FlatParameter``); ``named_parameters()`` gives FSDP1's prefixed original names.
+    * A meta-device model is materialised in module order: the same seed gives eager construction's values.
+    * ``limit_all_gathers=False`` and ``backward_prefetch`` other than ``BACKWARD_PRE`` warn once:
+      the engine always rate-limits all-gathers and prefetches the next unit in backward.
     * Works on CPU-only machines (gloo), including ``CPUOffload``, ``sync_module_states`` and
       ``offload_to_cpu``, where FSDP1 fails.
     """
@@ -223,26 +216,26 @@ class FullyShardedDataParallel(nn.Module):
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: int) -> Any:
-        """Forward indexing to the wrapped module (for an ``nn.Sequential``)."""
+        """Forward indexing to the wrapped module (an ``nn.Sequential``)."""
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def _names_cleaned_if_summoned(self, named: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        clean = self._unit.training_state == TrainingState.SUMMON_FULL_PARAMS  # read at the first item, as FSDP1
+        for name, value in named:
+            yield (name.replace(FSDP_PREFIX, "") if clean else name), value
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters``; inside ``summon_full_params`` the names are clean."""
-        clean = self._unit.training_state == TrainingState.SUMMON_FULL_PARAMS
-        for name, param in super().named_parameters(*args, **kwargs):
-            yield (name.replace(FSDP_PREFIX, "") if clean else name), param
+        return self._names_cleaned_if_summoned(super().named_parameters(*args, **kwargs))
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """``nn.Module.named_buffers``; inside ``summon_full_params`` the names are clean."""
-        clean = self._unit.training_state == TrainingState.SUMMON_FULL_PARAMS
-        for name, buffer in super().named_buffers(*args, **kwargs):
-            yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
+        return self._names_cleaned_if_summoned(super().named_buffers(*args, **kwargs))
 
     # FSDP1's private flat-parameter names, which third-party code (accelerate) reads: views of
     # this unit's own sharded parameters, honouring the dtype upcast clients write (``_flat_param_view``).
     _has_params = property(lambda self: _flat_param_view.has_params(self._unit))
-    _flat_param = property(lambda self: _flat_param_view.flat_param(self._unit))
-    _handle = property(lambda self: _flat_param_view.handle(self._unit))
+    _flat_param = _handle = property(lambda self: _flat_param_view.flat_param(self._unit))
 
     def check_is_root(self) -> bool:
         """Whether this instance is a root (no enclosing ``FullyShardedDataParallel``)."""

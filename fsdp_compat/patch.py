@@ -1,27 +1,17 @@
 """The one-line switch: make torch's FSDP1 names resolve to ``fsdp_compat.FullyShardedDataParallel``.
 
-Lightning, accelerate and the transformers ``Trainer`` never let the user construct FSDP: they look
-torch's class up and build it themselves. :func:`patch_torch` rebinds the names they look up:
+Lightning, accelerate and the transformers ``Trainer`` look torch's class up and build it themselves.
+:func:`patch_torch` rebinds every reference to torch's class bound in an imported module's namespace
+or in a class defined there: ``torch.distributed.fsdp.FullyShardedDataParallel``, its defining
+module's, torch's own ``torch.distributed.checkpoint.state_dict.FSDP``, a user's earlier
+``from torch.distributed.fsdp import FullyShardedDataParallel as FSDP``. References outside torch
+are named in a warning (the switch came late: objects already built stay torch's), and so are those
+it cannot rebind (inside a tuple, list, set or dict). ``torch.distributed.fsdp.wrap`` needs no patch:
+it builds whatever ``wrapper_cls`` it is given, and our class translates its policies.
 
-* ``torch.distributed.fsdp.FullyShardedDataParallel``
-* ``torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel``
-* every other reference to torch's class already bound in an imported module's namespace or in a
-  class defined there (``from torch.distributed.fsdp import FullyShardedDataParallel as FSDP`` run
-  before the switch): torch's own ``torch.distributed.checkpoint.state_dict.FSDP``, a user's script.
-  References outside torch are rebound too and named in a warning (the switch came late: objects
-  built with torch's class before it stay torch's); references it cannot rebind (inside a tuple,
-  list, set or dict) are named in a warning.
-
-So every ``isinstance(m, FullyShardedDataParallel)`` and every construction in those frameworks sees
-our class. ``torch.distributed.fsdp.wrap`` needs no patch: its ``enable_wrap``/``wrap`` build whatever
-``wrapper_cls`` they are given (ours, once the framework looks the name up), and its policies are
-translated by our class. While the switch is on, constructing torch's own class around a module
-holding our units raises ``ValueError`` (ours always refuses torch's units inside): the two cannot be
-mixed in one model. No FSDP1 code is ever run by this module; it only rebinds names and refuses.
-
-One check outside torch is patched too: Lightning's ``_has_dtensor_modules`` (it recognises FSDP2 by
-``DTensor`` parameters before it checks for FSDP1's class) answers ``False`` for modules holding our
-units, so Lightning treats them as the FSDP1 modules they are (see ``_lightning_dtensor_check``).
+While the switch is on, building torch's own class around a module holding our units raises
+``ValueError`` (the two cannot be mixed in one model); no FSDP1 code is ever run here. Lightning's
+``_has_dtensor_modules`` is patched too (see ``_lightning_dtensor_check``).
 """
 
 from __future__ import annotations
@@ -154,9 +144,7 @@ def _holds_torch_class(value: Any) -> bool:
 
 
 def _owner_name(owner: Any) -> str:
-    if isinstance(owner, type):
-        return f"{owner.__module__}.{owner.__qualname__}"
-    return owner.__name__
+    return f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
 
 
 def _warn_about_late_references(rebound: list[tuple[Any, str]], unreachable: list[str]) -> None:

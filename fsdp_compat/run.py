@@ -5,12 +5,10 @@
     torchrun --nproc-per-node 2 -m fsdp_compat.run train.py --epochs 1
     accelerate launch -m fsdp_compat.run train.py --epochs 1
 
-It calls :func:`fsdp_compat.patch_torch` and then runs the script (or module) as ``__main__`` with
-``sys.argv`` as the script expects it. It also sets ``FSDP_COMPAT_PATCH_TORCH=1`` in the environment,
-so a process can tell it runs under the switch. Processes a framework starts itself by re-running
-the command line without this launcher (Lightning's ``Trainer``/``Fabric`` with ``devices=N`` outside
-``torchrun``) are not switched: launch the ranks with ``torchrun -m fsdp_compat.run`` instead, or call
-``patch_torch()`` in the script.
+It calls :func:`fsdp_compat.patch_torch`, sets ``FSDP_COMPAT_PATCH_TORCH=1`` (so a process can tell
+it is switched) and runs the script or module as ``__main__``. Processes a framework starts itself
+without this launcher (Lightning with ``devices=N`` outside ``torchrun``) are not switched: launch
+the ranks with ``torchrun -m fsdp_compat.run``, or call ``patch_torch()`` in the script.
 """
 
 from __future__ import annotations

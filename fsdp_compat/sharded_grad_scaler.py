@@ -1,18 +1,14 @@
-"""``ShardedGradScaler``: loss scaling for fp16 training when every rank holds only a shard.
+"""``ShardedGradScaler``: FSDP1's loss scaler for fp16 training when every rank holds only a shard.
 
-torch's ``torch.amp.GradScaler`` does the scaling, the skipped steps and the scale's growth and
-backoff; this subclass keeps FSDP1's API and changes only what torch's cannot do with our
-gradients (the engine's sharded ``DTensor`` ones, plain tensors for ignored parameters, a mix, on
-the compute device or on the CPU under ``CPUOffload``):
+``torch.amp.GradScaler`` does the scaling, skipped steps, growth and backoff; this subclass changes
+only what it cannot do with our gradients (sharded ``DTensor`` ones, plain ones for ignored
+parameters, a mix, on the compute device or the CPU):
 
 * the inf/NaN verdict is agreed by every rank of ``process_group`` (one MAX all-reduce per
-  ``unscale_``). torch's checks each gradient where it lies: DTensor gradients through one
-  collective per device and dtype, plain ones not at all, so one rank could skip a step the
-  others take and the replicas would drift apart for good;
-* fp16 gradients may be unscaled (torch's refuses them; FSDP gradients may be fp16);
+  ``unscale_``). torch's checks DTensor gradients with one collective per device and dtype and
+  plain ones not at all, so one rank could skip a step the others take: replicas drift apart;
+* fp16 gradients may be unscaled (torch's refuses them);
 * ``scale(loss)`` keeps each tensor's dtype (an fp16 loss stays fp16, as in FSDP1).
-
-Same constructor and behaviour as torch FSDP1's ``ShardedGradScaler`` (which we do not import).
 """
 
 from __future__ import annotations
