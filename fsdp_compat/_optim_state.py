@@ -43,6 +43,7 @@ from ._tensor_layout import (
     is_sharded_tensor,
     local_copy,
     scatter_like,
+    scatterable,
     to_layout_of,
 )
 from ._unit_state import state_of, units_in, wrappers_in
@@ -483,15 +484,28 @@ def _check_full_values(osd: Mapping[str, Any]) -> None:
 
 def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str, Any]:
     """Rank 0's (validated) ``osd`` on every rank in this model's layout, as new memory: the
-    structure first, then each tensor: a sharded parameter's state scattered (each rank receives
-    its shard alone), any other broadcast and converted as it arrives (one full tensor at a time)."""
+    structure first, then the tensors. A sharded parameter's state is scattered, one scatter per
+    unit, state name and dtype (each rank receives its rows alone, as FSDP1 batches per flat
+    parameter); any other tensor is broadcast and converted as it arrives (one at a time)."""
     skeleton = broadcast_object(_skeleton(osd) if dist.get_rank(group) == 0 else None, group)
     if dist.get_rank(group) != 0:
         osd = skeleton
+    received: dict[tuple[str, str], Any] = {}
+    batches: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
+    for name, param_state in skeleton["state"].items():
+        param = index.param_of_fqn[name]
+        for state_name, value in param_state.items():
+            if isinstance(value, TensorSpec) and scatterable(param, group):
+                batches.setdefault((index.unit_of.get(param), state_name, value.dtype), []).append((name, state_name))
+    for (_, _, dtype), keys in batches.items():
+        likes = [cast(DTensor, index.param_of_fqn[name]) for name, _ in keys]
+        fulls = [osd["state"][name][state_name] for name, state_name in keys] if dist.get_rank(group) == 0 else None
+        received.update(zip(keys, scatter_like(fulls, likes, dtype, group)))
     state: dict[str, dict[str, Any]] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        state[name] = {state_name: _receive_from_rank0(value, param, group)
+        state[name] = {state_name: received[name, state_name] if (name, state_name) in received
+                       else _receive_from_rank0(value, param, group)
                        for state_name, value in param_state.items()}
     return {"state": state, "param_groups": osd["param_groups"]}
 
@@ -500,10 +514,6 @@ def _receive_from_rank0(value: Any, param: nn.Parameter, group: Any) -> Any:
     """One state value (rank 0's; a placeholder elsewhere) in ``param``'s layout on this rank."""
     if not isinstance(value, TensorSpec) and not (torch.is_tensor(value) and value.dim() > 0):
         return _import_value(value, param)  # in the skeleton already
-    if isinstance(param, DTensor):
-        scattered = scatter_like(None if isinstance(value, TensorSpec) else value, param, value.dtype, group)
-        if scattered is not None:
-            return scattered
     return _import_value(broadcast_tensor(value, group, communication_device(group)), param)
 
 

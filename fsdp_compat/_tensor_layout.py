@@ -8,7 +8,8 @@ user's feet at the next step (FSDP1's own gather reuses one buffer and hands out
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ __all__ = [
     "local_copy",
     "same_layout",
     "scatter_like",
+    "scatterable",
     "shard_like",
     "to_full",
     "to_layout_of",
@@ -96,29 +98,41 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     return dtensor_like(piece.to(local_like.device, copy=True, memory_format=torch.contiguous_format), like)
 
 
-def scatter_like(full: torch.Tensor | None, like: DTensor, dtype: torch.dtype, group: Any) -> DTensor | None:
-    """``full`` (given on rank 0 of ``group``, ``None`` elsewhere) laid out as ``like``, each
-    rank receiving only its own rows: one scatter, rank 0 sending each rank its rows alone
-    (a broadcast would send everyone all of it). ``None``, with nothing sent, unless ``like`` has
-    the engine's sharded layout (every rank decides alike). A collective over ``group``."""
-    rows = engine_rows_of_ranks(like, group)
-    if rows is None:
-        return None
-    padded = max(count for _, count in rows)  # gloo scatters equal sizes: short pieces padded
-    shape = (padded, *like.shape[1:])
+def scatterable(like: torch.Tensor, group: Any) -> bool:
+    """Whether :func:`scatter_like` can lay a full tensor out as ``like``: the engine's sharded
+    layout over the ranks of ``group`` (every rank decides alike)."""
+    return isinstance(like, DTensor) and engine_rows_of_ranks(like, group) is not None
+
+
+def scatter_like(fulls: list[torch.Tensor] | None, likes: list[DTensor], dtype: torch.dtype,
+                 group: Any) -> list[DTensor]:
+    """``fulls`` (given on rank 0 of ``group``, ``None`` elsewhere) laid out as ``likes`` (each
+    :func:`scatterable`), every rank receiving only its own rows of them all in one scatter: a
+    broadcast would send everyone all of it, and one collective per tensor costs more than the
+    bytes on small tensors. The received pieces are views of one new buffer. A collective."""
+    rows = [cast(list[tuple[int, int]], engine_rows_of_ranks(like, group)) for like in likes]
+    row_numels = [math.prod(like.shape[1:]) for like in likes]
+    # gloo scatters equal sizes: each tensor gets a slot of its longest piece on every rank.
+    slots = [max(count for _, count in ranks) * numel for ranks, numel in zip(rows, row_numels)]
     device = communication_device(group)
     pieces = None
-    if full is not None:
-        full = full.to(device)
-        pieces = [full[start:start + count].contiguous() for start, count in rows]
-        pieces = [piece if len(piece) == padded else torch.cat([piece, piece.new_zeros(padded - len(piece),
-                                                                                       *shape[1:])])
-                  for piece in pieces]
-    received = torch.empty(shape, dtype=dtype, device=device)
+    if fulls is not None:
+        pieces = [torch.empty(sum(slots), dtype=dtype, device=device) for _ in range(group.size())]
+        for rank, piece in enumerate(pieces):
+            offset = 0
+            for full, ranks, numel, slot in zip(fulls, rows, row_numels, slots):
+                start, count = ranks[rank]
+                piece[offset:offset + count * numel].view(count, *full.shape[1:]).copy_(full[start:start + count])
+                offset += slot
+    received = torch.empty(sum(slots), dtype=dtype, device=device)
     dist.scatter(received, pieces, group_src=0, group=group)
-    count = rows[dist.get_rank(group)][1]
-    local = received if count == padded else received[:count].clone()
-    return dtensor_like(local.to(local_tensor(like).device), like)
+    me, offset, out = dist.get_rank(group), 0, []
+    for like, ranks, numel, slot in zip(likes, rows, row_numels, slots):
+        count = ranks[me][1]
+        local = received[offset:offset + count * numel].view(count, *like.shape[1:])
+        out.append(dtensor_like(local.to(local_tensor(like).device), like))
+        offset += slot
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
