@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._collectives import communication_device
-from ._flat_checkpoint import FLAT_PARAM, holds_flat_params
+from ._flat_checkpoint import FLAT_PARAM, flat_unit_paths
 from .api import FullStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .wrap import CustomPolicy
@@ -71,7 +71,7 @@ def _load_rank_file(checkpoint: str, device: torch.device) -> dict[str, Any]:
                          "(e.g. 'local_rank{rank}.pt'): an FSDP1 LOCAL checkpoint is one file per rank")
     path = checkpoint.replace("{rank}", str(dist.get_rank()))
     state_dict = torch.load(path, map_location=device, weights_only=False)
-    if not holds_flat_params(state_dict):
+    if not flat_unit_paths(state_dict):
         raise ValueError(f"{path} holds no flat parameters (keys ending in {FLAT_PARAM!r}), so it is "
                          "not an FSDP1 LOCAL_STATE_DICT of a sharded model. (FSDP1 saves NO_SHARD "
                          "models' LOCAL state dicts as FULL ones: load it under FULL_STATE_DICT.)")
@@ -81,9 +81,8 @@ def _load_rank_file(checkpoint: str, device: torch.device) -> dict[str, Any]:
 def _wrap_like_checkpoint(model: nn.Module, state_dict: dict[str, Any], ignored_modules: Iterable[str],
                           device: torch.device) -> FullyShardedDataParallel:
     """``model`` wrapped into the units that the checkpoint has flat parameters for."""
-    unit_paths = [key[:-len(FLAT_PARAM)].rstrip(".") for key in state_dict
-                  if key == FLAT_PARAM or key.endswith("." + FLAT_PARAM)]
-    units = {id(_submodule(model, path, "the checkpoint has a unit")) for path in unit_paths if path}
+    units = {id(_submodule(model, path, "the checkpoint has a unit"))
+             for path in flat_unit_paths(state_dict).values() if path}
     ignored = [_submodule(model, path, "--ignored-modules names") for path in ignored_modules]
     return FullyShardedDataParallel(model, auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),
                                     ignored_modules=ignored or None, device_id=device)
