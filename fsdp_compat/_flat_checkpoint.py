@@ -44,9 +44,6 @@ from .api import ShardingStrategy
 
 FLAT_PARAM = "_flat_param"
 _ALIGNMENT_BYTES = 16  # FSDP1's address alignment under use_orig_params=True (for TorchInductor)
-_WHAT_TO_DO = ("Load it with the world size and wrapping it was written with, save it as "
-               "FULL_STATE_DICT or SHARDED_STATE_DICT (which load at any world size) and load that; "
-               "`python -m fsdp_compat.convert` does this without FSDP1. Nothing was loaded on any rank.")
 
 
 @dataclasses.dataclass
@@ -118,7 +115,9 @@ def _misfit_message(errors: list[str], failed_ranks: list[int]) -> str:
     return ("Cannot load this FSDP1 LOCAL_STATE_DICT checkpoint: its flat parameters do not match "
             "this model's units, so it was written with another world size or wrapping "
             "(auto_wrap_policy, ignored modules, sharding strategy):\n\t- " + "\n\t- ".join(errors)
-            + "\n" + _WHAT_TO_DO)
+            + "\nLoad it with the world size and wrapping it was written with, save it as FULL_STATE_DICT "
+            "or SHARDED_STATE_DICT (which load at any world size) and load that; `python -m fsdp_compat.convert` "
+            "does this without FSDP1. Nothing was loaded on any rank.")
 
 
 def _unit_name(path: str) -> str:

@@ -225,8 +225,8 @@ def _entry_value(entry: Entry, state_dict_type: StateDictType, full: dict[int, t
     if sharded is None:
         if not isinstance(entry.value, torch.Tensor):
             return entry.value  # extra state
-        if entry.is_buffer and state_dict_type != StateDictType.LOCAL_STATE_DICT and entry.key in restore_dtypes:
-            # Mixed precision: the live buffer is in buffer_dtype; the state dict has the original.
+        if state_dict_type != StateDictType.LOCAL_STATE_DICT and entry.key in restore_dtypes:
+            # A buffer under mixed precision: live in buffer_dtype; the state dict has the original.
             return entry.value.detach().to(restore_dtypes[entry.key], copy=True)
         return entry.value if keep_vars else entry.value.detach().clone()
     if state_dict_type == StateDictType.FULL_STATE_DICT:

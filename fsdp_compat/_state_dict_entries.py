@@ -35,7 +35,6 @@ class Entry:
     unit: UnitState  # of the innermost wrapper holding it
     sharded: DTensor | None = None  # the engine-sharded parameter, for a managed parameter
     summoned: bool = False  # the unit is inside summon_full_params
-    is_buffer: bool = False
     is_plain_param: bool = False  # a parameter the engine does not manage (ignored)
 
     @property
@@ -62,7 +61,6 @@ def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
                       summoned=unit.training_state == TrainingState.SUMMON_FULL_PARAMS)
         if owner is not None:
             entry.sharded = sharded_by_slot.get((id(owner), attr))
-            entry.is_buffer = attr in _own_names(owner.named_buffers)
             entry.is_plain_param = entry.sharded is None and attr in _own_names(owner.named_parameters)
         if entry.sharded is not None and isinstance(value, DTensor):
             entry.sharded = value  # the registered parameter wins if the user swapped one in

@@ -210,7 +210,8 @@ def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> l
     sharded = entry.sharded if not entry.full_visible else None
     target = sharded.to_local() if sharded is not None else entry.value  # what the load writes
     shape, described = (sharded if sharded is not None else entry.value).shape, "the shape in current model is"
-    if sharded is not None and _is_local_type(entry, state_dict_type) and not _is_distributed(value):
+    if (sharded is not None and _is_local_type(entry, state_dict_type)
+            and not (isinstance(value, DTensor) or is_sharded_tensor(value))):  # no global shape
         shape, described = target.shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
     value_shape = value.shape
     if len(shape) == 0 and len(value_shape) == 1 and value_shape[0] == 1:
@@ -240,11 +241,6 @@ def _trial_copy(value: torch.Tensor, target: torch.Tensor) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. complex -> real: the real copy warns once
         torch.empty(1, dtype=target.dtype, device=target.device).copy_(source.reshape(-1)[:1])
-
-
-def _is_distributed(value: Any) -> bool:
-    """DTensor or ShardedTensor: values that carry their global shape."""
-    return isinstance(value, DTensor) or is_sharded_tensor(value)
 
 
 def _agreement(root: UnitState) -> contextlib.AbstractContextManager[None]:
