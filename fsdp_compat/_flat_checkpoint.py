@@ -192,16 +192,11 @@ def _local_shard_error(value: Any, rank: int, shard_numel: int, total: int) -> s
     """Why this rank's local shard is not FSDP1's slice ``[rank*c, rank*c + valid)``, or ''."""
     start = rank * shard_numel
     valid = max(0, min(shard_numel, total - start))
-    shards = [shard for shard in value.local_shards() if shard.tensor.numel()]
-    if valid == 0 and not shards:
+    expected = [([start], valid)] if valid else []
+    found = [(list(s.metadata.shard_offsets), s.tensor.numel()) for s in value.local_shards() if s.tensor.numel()]
+    if found == expected:
         return ""
-    if len(shards) == 1:
-        shard = shards[0]
-        if list(shard.metadata.shard_offsets) == [start] and shard.tensor.numel() == valid:
-            return ""
-    found = [(list(s.metadata.shard_offsets), s.tensor.numel()) for s in shards]
-    return (f"this rank (rank {rank} of the unit's group) holds shards (offset, elements) {found} "
-            f"instead of {[([start], valid)] if valid else []}")
+    return f"this rank (rank {rank} of the unit's group) holds shards (offset, elements) {found} instead of {expected}"
 
 
 def _mismatch(key: str, path: str, value: Any, total: int, world_size: int) -> str:

@@ -122,10 +122,9 @@ def _previous_settings(units: list[UnitState]) -> StateDictSettings:
     for other in units[1:]:
         if other.state_dict_type != first.state_dict_type:
             raise AssertionError("All FSDP modules should have the same state_dict_type.")
-        if not isinstance(other.state_dict_config, type(first.state_dict_config)):
-            raise AssertionError("All FSDP modules must have the same type of state_dict_config.")
-        if not isinstance(other.optim_state_dict_config, type(first.optim_state_dict_config)):
-            raise AssertionError("All FSDP modules must have the same type of optim_state_dict_config.")
+        for config in ("state_dict_config", "optim_state_dict_config"):
+            if not isinstance(getattr(other, config), type(getattr(first, config))):
+                raise AssertionError(f"All FSDP modules must have the same type of {config}.")
     return StateDictSettings(first.state_dict_type, first.state_dict_config,
                              first.optim_state_dict_config)
 

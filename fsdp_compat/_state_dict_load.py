@@ -209,10 +209,11 @@ def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> l
                 f"Tensor-like object from checkpoint but received {type(value)}"]
     sharded = entry.sharded if not entry.full_visible else None
     target = sharded.to_local() if sharded is not None else entry.value  # what the load writes
-    shape, described = (sharded if sharded is not None else entry.value).shape, "the shape in current model is"
     if (sharded is not None and _is_local_type(entry, state_dict_type)
             and not (isinstance(value, DTensor) or is_sharded_tensor(value))):  # no global shape
         shape, described = target.shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
+    else:
+        shape, described = (entry.value if sharded is None else sharded).shape, "the shape in current model is"
     value_shape = value.shape
     if len(shape) == 0 and len(value_shape) == 1 and value_shape[0] == 1:
         value_shape = shape  # nn.Module's allowance: a 1-element 1-d value for a 0-d tensor
