@@ -167,9 +167,7 @@ def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.Par
 
 def _alignments(unit: UnitState, params: list[DTensor]) -> list[int]:
     """Candidate alignment paddings (elements; 0: none), this wrapper's own setting first."""
-    policy = unit.mixed_precision
-    compute_dtype = policy.param_dtype if policy is not None and policy.param_dtype is not None \
-        else params[0].dtype
+    compute_dtype = getattr(unit.mixed_precision, "param_dtype", None) or params[0].dtype
     aligned = [_ALIGNMENT_BYTES // size for size in (compute_dtype.itemsize, 2, 4, 1, 8)]
     candidates = [aligned[0], 0] if unit.use_orig_params else [0, aligned[0]]
     return list(dict.fromkeys(candidates + aligned[1:]))
