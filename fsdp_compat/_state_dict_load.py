@@ -17,17 +17,16 @@ from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine, _flat_checkpoint
-from ._collectives import all_ranks_agree, broadcast_object, mesh_groups
+from ._collectives import all_ranks_agree, mesh_groups
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._full_tensors import sharded_tensor_local_piece
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
-from ._tensor_layout import TensorSpec, broadcast_tensor, is_sharded_tensor, same_layout, shard_like, to_full
+from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, to_full
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
@@ -57,7 +56,7 @@ def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
         if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
             cast(_engine.FSDPModule, unit.module).reshard()
     entries, _ = entries_of(root)
-    state_dict = _as_given_by_distributed_checkpoint(root, state_dict, entries)
+    state_dict = _as_given_by_distributed_checkpoint(state_dict, entries)
     if state_dict_type == StateDictType.LOCAL_STATE_DICT:
         state_dict = _flat_checkpoint.unflatten_if_flat(root, state_dict, entries)
     incoming = [(entry, _as_tensor_if_tensor_like(state_dict[entry.key]))
@@ -156,35 +155,19 @@ def _as_tensor_if_tensor_like(value: Any) -> Any:
     return torch.detach(value)
 
 
-def _as_given_by_distributed_checkpoint(root: UnitState, state_dict: Mapping[str, Any],
-                                        entries: list[Entry]) -> Mapping[str, Any]:
+def _as_given_by_distributed_checkpoint(state_dict: Mapping[str, Any], entries: list[Entry]) -> Mapping[str, Any]:
     """What ``set_state_dict`` (torch.distributed.checkpoint) means by the dict it passes us.
 
     With ``full_state_dict`` or ``broadcast_from_rank0`` it adds the model's own tensors under
     their wrapper-prefixed names next to the clean keys (it lists states by ``named_parameters``):
-    writing a tensor onto itself is a no-op, so they are dropped.
+    writing a tensor onto itself is a no-op, so they are dropped. (``broadcast_from_rank0``: torch,
+    taking our modules for FSDP1's through the adapter's interop, has broadcast rank 0's values.)
     """
-    options = _engine.distributed_checkpoint_request()
-    if options is None:
+    if _engine.distributed_checkpoint_request() is None:
         return state_dict
     own = {entry.raw_key: entry.value for entry in entries}
-    state_dict = {key: value for key, value in state_dict.items()
-                  if not (key in own and own[key] is value and key != clean_name(key))}
-    if options.broadcast_from_rank0 and not _engine.DISTRIBUTED_CHECKPOINT_INTEROP:
-        # With the adapter's interop torch names our tensors as FSDP1's, so it has broadcast
-        # (and distributed) rank 0's values into every rank's dict itself.
-        state_dict = _broadcast_from_rank0(state_dict, root.compute_device)
-    return state_dict
-
-
-def _broadcast_from_rank0(state_dict: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """Rank 0's state dict on every rank (``broadcast_from_rank0=True``; torch broadcasts over the
-    default group, so do we). Tensors travel one by one; other values with the key list."""
-    manifest = broadcast_object({key: TensorSpec.of(value) if isinstance(value, torch.Tensor) else value
-                                 for key, value in state_dict.items()} if dist.get_rank() == 0 else None)
-    return {key: broadcast_tensor(state_dict[key] if dist.get_rank() == 0 else described, None, device)
-            if isinstance(described, TensorSpec) else described
-            for key, described in manifest.items()}
+    return {key: value for key, value in state_dict.items()
+            if not (key in own and own[key] is value and key != clean_name(key))}
 
 
 def _key_errors(missing: list[str], unexpected: list[str]) -> list[str]:
