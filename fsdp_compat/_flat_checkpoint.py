@@ -97,11 +97,11 @@ def _plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[_FlatUni
             errors.append(f"{_unit_name(path)} holds parameters here, but the checkpoint has "
                           f"no flat parameter {key!r} for it")
             continue
-        flat_unit, error = _match(unit, _in_fsdp1_order(unit, slots), path, key, state_dict[key])
-        if flat_unit is None:
-            errors.append(error)
+        matched = _match(unit, _in_fsdp1_order(unit, slots), path, key, state_dict[key])
+        if isinstance(matched, str):
+            errors.append(matched)
         else:
-            units.append(flat_unit)
+            units.append(matched)
     errors += [f"the checkpoint has a flat parameter {key!r}, but there is no sharded "
                f"{_unit_name(path)} with parameters here" for key, path in unmatched.items()]
     return units, errors
@@ -125,22 +125,22 @@ def _unit_name(path: str) -> str:
 
 
 def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
-           value: Any) -> tuple[_FlatUnit | None, str]:
+           value: Any) -> _FlatUnit | str:
     """The unit's layout that the checkpoint's flat parameter has, or why none fits."""
     if not (hasattr(value, "local_shards") and hasattr(value, "metadata")):  # ShardedTensor's API
-        return None, (f"{key!r} is a {type(value).__name__}; FSDP1's LOCAL_STATE_DICT holds a "
-                      "ShardedTensor there (each rank's file, loaded with torch.load)")
+        return (f"{key!r} is a {type(value).__name__}; FSDP1's LOCAL_STATE_DICT holds a "
+                "ShardedTensor there (each rank's file, loaded with torch.load)")
     sizes = [param.numel() for param in params]
     total = int(math.prod(value.metadata().size))
     layouts = [_layout(sizes, alignment, unit.world_size) for alignment in _alignments(unit, params)]
     offsets = next((offsets for offsets, layout_total in layouts if layout_total == total), None)
     if offsets is None:  # described against the layout of the wrapper's own setting (the first)
-        return None, _mismatch(key, path, value, layouts[0][1], unit.world_size)
+        return _mismatch(key, path, value, layouts[0][1], unit.world_size)
     shard_numel = math.ceil(total / unit.world_size)
     error = _local_shard_error(value, unit.rank, shard_numel, total)
     if error:
-        return None, _mismatch(key, path, value, total, unit.world_size) + f"; {error}"
-    return _FlatUnit(unit, key, params, offsets, shard_numel, value), ""
+        return _mismatch(key, path, value, total, unit.world_size) + f"; {error}"
+    return _FlatUnit(unit, key, params, offsets, shard_numel, value)
 
 
 def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]
