@@ -14,10 +14,8 @@ Values are always copies, never views of engine or module memory, so that fillin
   of the parameter, possibly empty), buffers as plain tensors. Round-trips at the same world size.
 * ``NO_SHARD`` units give full tensors for every type, as FSDP1.
 
-Saving (here) takes the entries ``nn.Module.state_dict`` lists for the wrapped tree
-(``_state_dict_entries``) and replaces each engine parameter by its form for the type. Loading
-(``_state_dict_load``) checks everything on every rank, agrees across ranks, converts, and only
-then lets ``nn.Module`` copy: a failed load leaves every parameter and buffer on every rank as it was.
+Saving (here) replaces each engine parameter among the entries (``_state_dict_entries``) by its
+form for the type; loading is ``_state_dict_load``'s.
 """
 
 from __future__ import annotations
