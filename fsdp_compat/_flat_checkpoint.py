@@ -18,13 +18,9 @@ rules of FSDP1's ``_flat_param.py`` (torch 2.x):
 * ``use_orig_params=True`` also saves each parameter's part of this rank's slice under the
   parameter's name. Those are views of the same elements: the flat parameter is read instead.
 
-Which padding the checkpoint has is read off its size: the layout of this wrapper's own settings
-first, then that of the other ``use_orig_params`` (and other compute dtypes), since users moving
-off FSDP1 often change ``use_orig_params``. A size matching none of them means another world size
-or wrapping, which no local reading can fix.
-
-Checks here are local; the caller agrees on them across ranks before :func:`unflatten` (which
-communicates: one all-gather per unit over its shard group) runs.
+Which padding the checkpoint has is read off its size: this wrapper's own settings first, then
+the other ``use_orig_params`` and compute dtypes (users moving off FSDP1 often change them). A size
+matching none means another world size or wrapping, which no local reading can fix.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine
-from ._collectives import communication_device
+from ._collectives import communication_device, mesh_groups, ranks_where
 from ._state_dict_entries import Entry
 from ._tensor_layout import shard_like
 from ._unit_state import UnitState, state_of, units_with_paths
@@ -48,66 +44,70 @@ from .api import ShardingStrategy
 
 FLAT_PARAM = "_flat_param"
 _ALIGNMENT_BYTES = 16  # FSDP1's address alignment under use_orig_params=True (for TorchInductor)
-_WHAT_TO_DO = ("Load it with the world size and wrapping it was written with, save it as "
-               "FULL_STATE_DICT or SHARDED_STATE_DICT (which load at any world size) and load that; "
-               "`python -m fsdp_compat.convert` does this without FSDP1. Nothing was loaded on any rank.")
 
 
 @dataclasses.dataclass
-class FlatUnit:
+class _FlatUnit:
     """One unit's flat parameter in a checkpoint, and where its parameters lie in it."""
 
+    unit: UnitState
     key: str  # the state-dict key of the flat parameter
     params: list[DTensor]  # the engine's sharded parameters, in FSDP1's order
     offsets: list[int]  # each one's first element in the flat parameter
     shard_numel: int  # c: elements per rank, padding included
-    group: dist.ProcessGroup
-    world_size: int
     value: Any  # the checkpoint's ShardedTensor
 
 
-def holds_flat_params(state_dict: Mapping[str, Any]) -> bool:
-    """Whether ``state_dict`` has FSDP1 flat parameters (keys ``..._flat_param``)."""
-    return any(_is_flat_key(key) for key in state_dict)
+def flat_unit_paths(state_dict: Mapping[str, Any]) -> dict[str, str]:
+    """The FSDP1 flat parameters in ``state_dict``: key -> the unit's module path."""
+    return {key: key[:-len(FLAT_PARAM)].rstrip(".") for key in state_dict
+            if key == FLAT_PARAM or key.endswith("." + FLAT_PARAM)}
 
 
-def _is_flat_key(key: str) -> bool:
-    return key == FLAT_PARAM or key.endswith("." + FLAT_PARAM)
+def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: list[Entry]) -> Mapping[str, Any]:
+    """``state_dict`` with FSDP1's flat parameters, if it holds any, replaced by per-parameter
+    DTensors laid out as the engine's. Ranks agree first on whether any of them holds flat
+    parameters, then on whether they fit this model; a misfit raises ``ValueError`` everywhere,
+    nothing loaded. A collective over the root's mesh."""
+    groups = mesh_groups(root.device_mesh)
+    if not ranks_where(bool(flat_unit_paths(state_dict)), groups):
+        return state_dict
+    units, errors = _plan(root, state_dict)
+    failed = ranks_where(bool(errors), groups)
+    if failed:
+        raise ValueError(_misfit_message(errors, failed))
+    return _unflatten(units, state_dict, entries)
 
 
-def plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[FlatUnit], list[str]]:
+def _plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[_FlatUnit], list[str]]:
     """Each unit's flat parameter matched against this model's layout, and what does not match.
 
     Local: no communication. Every unit of ``root`` with sharded parameters needs its flat
     parameter, laid out as this model's unit would be by FSDP1 at this world size.
     """
-    units: list[FlatUnit] = []
+    units: list[_FlatUnit] = []
     errors: list[str] = []
-    expected_keys = set()
+    unmatched = flat_unit_paths(state_dict)
     for path, unit in units_with_paths(root.wrapper):
         slots = _engine.unit_param_slots(unit.module)
         if not slots or unit.sharding_strategy == ShardingStrategy.NO_SHARD:
             continue  # NO_SHARD: FSDP1 saved the parameters one by one, in full (the usual path)
         key = f"{path}.{FLAT_PARAM}" if path else FLAT_PARAM
-        expected_keys.add(key)
-        if key not in state_dict:
+        if unmatched.pop(key, None) is None:
             errors.append(f"{_unit_name(path)} holds parameters here, but the checkpoint has "
                           f"no flat parameter {key!r} for it")
             continue
-        flat_unit, error = _match(unit, _in_fsdp1_order(unit, slots), path, key, state_dict[key])
-        if flat_unit is None:
-            errors.append(error)
+        matched = _match(unit, _in_fsdp1_order(unit, slots), path, key, state_dict[key])
+        if isinstance(matched, str):
+            errors.append(matched)
         else:
-            units.append(flat_unit)
-    for key in state_dict:
-        if _is_flat_key(key) and key not in expected_keys:
-            path = key[:-len(FLAT_PARAM)].rstrip(".")
-            errors.append(f"the checkpoint has a flat parameter {key!r}, but there is no sharded "
-                          f"{_unit_name(path)} with parameters here")
+            units.append(matched)
+    errors += [f"the checkpoint has a flat parameter {key!r}, but there is no sharded "
+               f"{_unit_name(path)} with parameters here" for key, path in unmatched.items()]
     return units, errors
 
 
-def misfit_message(errors: list[str], failed_ranks: list[int]) -> str:
+def _misfit_message(errors: list[str], failed_ranks: list[int]) -> str:
     """The ``ValueError`` message for a checkpoint that does not fit (``errors``: this rank's)."""
     if not errors:
         return ("Cannot load this FSDP1 LOCAL_STATE_DICT checkpoint: it does not match this model "
@@ -115,7 +115,9 @@ def misfit_message(errors: list[str], failed_ranks: list[int]) -> str:
     return ("Cannot load this FSDP1 LOCAL_STATE_DICT checkpoint: its flat parameters do not match "
             "this model's units, so it was written with another world size or wrapping "
             "(auto_wrap_policy, ignored modules, sharding strategy):\n\t- " + "\n\t- ".join(errors)
-            + "\n" + _WHAT_TO_DO)
+            + "\nLoad it with the world size and wrapping it was written with, save it as FULL_STATE_DICT "
+            "or SHARDED_STATE_DICT (which load at any world size) and load that; `python -m fsdp_compat.convert` "
+            "does this without FSDP1. Nothing was loaded on any rank.")
 
 
 def _unit_name(path: str) -> str:
@@ -123,24 +125,22 @@ def _unit_name(path: str) -> str:
 
 
 def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
-           value: Any) -> tuple[FlatUnit | None, str]:
+           value: Any) -> _FlatUnit | str:
     """The unit's layout that the checkpoint's flat parameter has, or why none fits."""
     if not (hasattr(value, "local_shards") and hasattr(value, "metadata")):  # ShardedTensor's API
-        return None, (f"{key!r} is a {type(value).__name__}; FSDP1's LOCAL_STATE_DICT holds a "
-                      "ShardedTensor there (each rank's file, loaded with torch.load)")
+        return (f"{key!r} is a {type(value).__name__}; FSDP1's LOCAL_STATE_DICT holds a "
+                "ShardedTensor there (each rank's file, loaded with torch.load)")
     sizes = [param.numel() for param in params]
-    world_size = unit.world_size
     total = int(math.prod(value.metadata().size))
-    for alignment in _alignments(unit, params):  # the first whose size fits: the own setting wins
-        offsets, layout_total = _layout(sizes, alignment, world_size)
-        if layout_total == total:
-            shard_numel = math.ceil(total / world_size)
-            error = _local_shard_error(value, unit.rank, shard_numel, total)
-            if error:
-                return None, _mismatch(key, path, value, total, world_size) + f"; {error}"
-            return FlatUnit(key, params, offsets, shard_numel, unit.process_group, world_size, value), ""
-    _, own_total = _layout(sizes, _alignments(unit, params)[0], world_size)
-    return None, _mismatch(key, path, value, own_total, world_size)
+    layouts = [_layout(sizes, alignment, unit.world_size) for alignment in _alignments(unit, params)]
+    offsets = next((offsets for offsets, layout_total in layouts if layout_total == total), None)
+    if offsets is None:  # described against the layout of the wrapper's own setting (the first)
+        return _mismatch(key, path, value, layouts[0][1], unit.world_size)
+    shard_numel = math.ceil(total / unit.world_size)
+    error = _local_shard_error(value, unit.rank, shard_numel, total)
+    if error:
+        return _mismatch(key, path, value, total, unit.world_size) + f"; {error}"
+    return _FlatUnit(unit, key, params, offsets, shard_numel, value)
 
 
 def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]
@@ -167,9 +167,7 @@ def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.Par
 
 def _alignments(unit: UnitState, params: list[DTensor]) -> list[int]:
     """Candidate alignment paddings (elements; 0: none), this wrapper's own setting first."""
-    policy = unit.mixed_precision
-    compute_dtype = policy.param_dtype if policy is not None and policy.param_dtype is not None \
-        else params[0].dtype
+    compute_dtype = getattr(unit.mixed_precision, "param_dtype", None) or params[0].dtype
     aligned = [_ALIGNMENT_BYTES // size for size in (compute_dtype.itemsize, 2, 4, 1, 8)]
     candidates = [aligned[0], 0] if unit.use_orig_params else [0, aligned[0]]
     return list(dict.fromkeys(candidates + aligned[1:]))
@@ -192,16 +190,11 @@ def _local_shard_error(value: Any, rank: int, shard_numel: int, total: int) -> s
     """Why this rank's local shard is not FSDP1's slice ``[rank*c, rank*c + valid)``, or ''."""
     start = rank * shard_numel
     valid = max(0, min(shard_numel, total - start))
-    shards = [shard for shard in value.local_shards() if shard.tensor.numel()]
-    if valid == 0 and not shards:
+    expected = [([start], valid)] if valid else []
+    found = [(list(s.metadata.shard_offsets), s.tensor.numel()) for s in value.local_shards() if s.tensor.numel()]
+    if found == expected:
         return ""
-    if len(shards) == 1:
-        shard = shards[0]
-        if list(shard.metadata.shard_offsets) == [start] and shard.tensor.numel() == valid:
-            return ""
-    found = [(list(s.metadata.shard_offsets), s.tensor.numel()) for s in shards]
-    return (f"this rank (rank {rank} of the unit's group) holds shards (offset, elements) {found} "
-            f"instead of {[([start], valid)] if valid else []}")
+    return f"this rank (rank {rank} of the unit's group) holds shards (offset, elements) {found} instead of {expected}"
 
 
 def _mismatch(key: str, path: str, value: Any, total: int, world_size: int) -> str:
@@ -214,31 +207,29 @@ def _mismatch(key: str, path: str, value: Any, total: int, world_size: int) -> s
 
 
 @torch.no_grad()
-def unflatten(units: list[FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
+def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
     """``state_dict`` with each flat parameter replaced by its parameters, as DTensors laid out as
-    the engine's (every key that names one, tied weights included). FSDP1's per-parameter views
-    of flat units are dropped. A collective: every rank of the units' groups calls, same units."""
+    the engine's (every key that names one, tied weights included: FSDP1's per-parameter views of
+    flat units are overwritten). A collective: one all-gather per unit over its shard group."""
     values: dict[int, DTensor] = {}
     for unit in units:
         flat = _gather(unit)
         for param, offset in zip(unit.params, unit.offsets):
-            full = flat[offset:offset + param.numel()].view(param.shape)
-            values[id(param)] = shard_like(full, param)
+            values[id(param)] = shard_like(flat[offset:offset + param.numel()].view(param.shape), param)
     flat_keys = {unit.key for unit in units}
     result = {key: value for key, value in state_dict.items() if key not in flat_keys}
-    for entry in entries:
-        if entry.sharded is not None and id(entry.sharded) in values:
-            result[entry.key] = values[id(entry.sharded)]
+    result.update((entry.key, values[id(entry.sharded)]) for entry in entries if id(entry.sharded) in values)
     return result
 
 
-def _gather(unit: FlatUnit) -> torch.Tensor:
+def _gather(flat_unit: _FlatUnit) -> torch.Tensor:
     """The unit's whole flat parameter (padding included) on every rank of its group."""
-    device = communication_device(unit.group)
-    dtype = unit.value.metadata().tensor_properties.dtype
-    local = torch.zeros(unit.shard_numel, dtype=dtype, device=device)
-    for shard in unit.value.local_shards():
+    group = flat_unit.unit.process_group
+    device = communication_device(group)
+    dtype = flat_unit.value.metadata().tensor_properties.dtype
+    local = torch.zeros(flat_unit.shard_numel, dtype=dtype, device=device)
+    for shard in flat_unit.value.local_shards():
         local[:shard.tensor.numel()].copy_(shard.tensor.reshape(-1))
-    flat = torch.empty(unit.shard_numel * unit.world_size, dtype=dtype, device=device)
-    dist.all_gather_single(flat, local, group=unit.group)
+    flat = torch.empty(flat_unit.shard_numel * group.size(), dtype=dtype, device=device)
+    dist.all_gather_single(flat, local, group=group)
     return flat

@@ -14,10 +14,8 @@ Values are always copies, never views of engine or module memory, so that fillin
   of the parameter, possibly empty), buffers as plain tensors. Round-trips at the same world size.
 * ``NO_SHARD`` units give full tensors for every type, as FSDP1.
 
-Saving (here) takes the entries ``nn.Module.state_dict`` lists for the wrapped tree
-(``_state_dict_entries``) and replaces each engine parameter by its form for the type. Loading
-(``_state_dict_load``) checks everything on every rank, agrees across ranks, converts, and only
-then lets ``nn.Module`` copy: a failed load leaves every parameter and buffer on every rank as it was.
+Saving (here) replaces each engine parameter among the entries (``_state_dict_entries``) by its
+form for the type; loading is ``_state_dict_load``'s.
 """
 
 from __future__ import annotations
@@ -122,10 +120,9 @@ def _previous_settings(units: list[UnitState]) -> StateDictSettings:
     for other in units[1:]:
         if other.state_dict_type != first.state_dict_type:
             raise AssertionError("All FSDP modules should have the same state_dict_type.")
-        if not isinstance(other.state_dict_config, type(first.state_dict_config)):
-            raise AssertionError("All FSDP modules must have the same type of state_dict_config.")
-        if not isinstance(other.optim_state_dict_config, type(first.optim_state_dict_config)):
-            raise AssertionError("All FSDP modules must have the same type of optim_state_dict_config.")
+        for config in ("state_dict_config", "optim_state_dict_config"):
+            if not isinstance(getattr(other, config), type(getattr(first, config))):
+                raise AssertionError(f"All FSDP modules must have the same type of {config}.")
     return StateDictSettings(first.state_dict_type, first.state_dict_config,
                              first.optim_state_dict_config)
 
@@ -150,7 +147,14 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
     if collecting.get():
         return nn.Module.state_dict(root.wrapper, *args, destination=destination, prefix=prefix,
                                     keep_vars=keep_vars)
-    destination, prefix, keep_vars = _positional_state_dict_args(args, destination, prefix, keep_vars)
+    if args:  # nn.Module.state_dict's deprecated positional form (destination, prefix, keep_vars)
+        if len(args) > 3:
+            raise TypeError(f"state_dict() takes at most 3 positional arguments, got {len(args)}")
+        warnings.warn("Positional args are being deprecated, use kwargs instead. Refer to "
+                      "https://pytorch.org/docs/main/generated/torch.nn.Module.html"
+                      "#torch.nn.Module.state_dict for details.", FutureWarning, stacklevel=2)
+        given: tuple[Any, ...] = (*args, *(destination, prefix, keep_vars)[len(args):])
+        destination, prefix, keep_vars = given
     check_not_in_iteration(root, "state_dict()")
     requested, config = effective_settings(root)
     entries, metadata = entries_of(root)
@@ -164,7 +168,8 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
     if hasattr(result, "_metadata"):
         # The wrapped module's version follows (and wins over) its wrapper's, as both map to one path.
         for path, module_metadata in metadata.items():
-            result._metadata[_prefixed(prefix, clean_module_path(path))] = module_metadata
+            path = clean_module_path(path)
+            result._metadata[(prefix + path) if path else prefix[:-1]] = module_metadata
     for entry, entry_type, entry_config in plans:
         if _only_rank0_keeps(entry_config, root.rank) and not entry.is_plain_param:
             continue  # FSDP1: under rank0_only, other ranks keep only ignored parameters
@@ -175,24 +180,6 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
             value = value.cpu()
         result[prefix + entry.key] = value
     return result
-
-
-def _prefixed(prefix: str, path: str) -> str:
-    return (prefix + path) if path else prefix[:-1]
-
-
-def _positional_state_dict_args(args: tuple[Any, ...], destination: Any, prefix: str,
-                                keep_vars: bool) -> tuple[Any, str, bool]:
-    """``nn.Module.state_dict``'s deprecated positional form ``(destination, prefix, keep_vars)``."""
-    if len(args) > 3:
-        raise TypeError(f"state_dict() takes at most 3 positional arguments, got {len(args)}")
-    if args:
-        warnings.warn("Positional args are being deprecated, use kwargs instead. Refer to "
-                      "https://pytorch.org/docs/main/generated/torch.nn.Module.html"
-                      "#torch.nn.Module.state_dict for details.", FutureWarning, stacklevel=3)
-    given: tuple[Any, ...] = (*args, *(destination, prefix, keep_vars)[len(args):])
-    destination, prefix, keep_vars = given
-    return destination, prefix, keep_vars
 
 
 def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:
@@ -231,19 +218,14 @@ def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictCon
 def _entry_value(entry: Entry, state_dict_type: StateDictType, full: dict[int, torch.Tensor],
                  restore_dtypes: dict[str, torch.dtype], keep_vars: bool) -> Any:
     """The entry's value for the type; ``None`` to leave it out (summoned shards, see FULL)."""
-    if entry.sharded is not None:
-        return _parameter_value(entry, state_dict_type, full)
-    if not isinstance(entry.value, torch.Tensor):
-        return entry.value  # extra state
-    if entry.is_buffer and state_dict_type != StateDictType.LOCAL_STATE_DICT and entry.key in restore_dtypes:
-        # Mixed precision: the live buffer is in buffer_dtype; the state dict has the original.
-        return entry.value.detach().to(restore_dtypes[entry.key], copy=True)
-    return entry.value if keep_vars else entry.value.detach().clone()
-
-
-def _parameter_value(entry: Entry, state_dict_type: StateDictType, full: dict[int, torch.Tensor]) -> Any:
     sharded = entry.sharded
-    assert sharded is not None
+    if sharded is None:
+        if not isinstance(entry.value, torch.Tensor):
+            return entry.value  # extra state
+        if state_dict_type != StateDictType.LOCAL_STATE_DICT and entry.key in restore_dtypes:
+            # A buffer under mixed precision: live in buffer_dtype; the state dict has the original.
+            return entry.value.detach().to(restore_dtypes[entry.key], copy=True)
+        return entry.value if keep_vars else entry.value.detach().clone()
     if state_dict_type == StateDictType.FULL_STATE_DICT:
         if not entry.summoned:
             return full[id(sharded)]
@@ -252,6 +234,4 @@ def _parameter_value(entry: Entry, state_dict_type: StateDictType, full: dict[in
         return entry.value.detach().clone() if entry.full_visible else None
     if entry.full_visible:
         sharded = shard_like(entry.value, sharded)
-    if state_dict_type == StateDictType.SHARDED_STATE_DICT:
-        return sharded.detach().clone()
-    return sharded.to_local().detach().clone()
+    return (sharded if state_dict_type == StateDictType.SHARDED_STATE_DICT else sharded.to_local()).detach().clone()

@@ -35,7 +35,6 @@ class Entry:
     unit: UnitState  # of the innermost wrapper holding it
     sharded: DTensor | None = None  # the engine-sharded parameter, for a managed parameter
     summoned: bool = False  # the unit is inside summon_full_params
-    is_buffer: bool = False
     is_plain_param: bool = False  # a parameter the engine does not manage (ignored)
 
     @property
@@ -44,17 +43,13 @@ class Entry:
         return self.summoned and self.sharded is not None and not isinstance(self.value, DTensor)
 
 
-def _raw_state_dict(wrapper: nn.Module) -> dict[str, Any]:
-    token = collecting.set(True)
-    try:
-        return nn.Module.state_dict(wrapper, keep_vars=True)
-    finally:
-        collecting.reset(token)
-
-
 def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
     """The wrapper's state entries in ``nn.Module.state_dict`` order, and its ``_metadata``."""
-    raw = _raw_state_dict(root.wrapper)
+    token = collecting.set(True)
+    try:
+        raw = nn.Module.state_dict(root.wrapper, keep_vars=True)
+    finally:
+        collecting.reset(token)
     sharded_by_slot = {(id(module), name): sharded
                        for unit in units_in(root.wrapper)
                        for sharded, slots in _engine.unit_param_slots(unit.module)
@@ -63,11 +58,10 @@ def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
     for raw_key, value in raw.items():
         owner, attr, unit = _locate(root, raw_key)
         entry = Entry(clean_name(raw_key), raw_key, value, unit,
-                       summoned=unit.training_state == TrainingState.SUMMON_FULL_PARAMS)
+                      summoned=unit.training_state == TrainingState.SUMMON_FULL_PARAMS)
         if owner is not None:
             entry.sharded = sharded_by_slot.get((id(owner), attr))
-            entry.is_buffer = attr in _own_buffer_names(owner)
-            entry.is_plain_param = entry.sharded is None and attr in _own_param_names(owner)
+            entry.is_plain_param = entry.sharded is None and attr in _own_names(owner.named_parameters)
         if entry.sharded is not None and isinstance(value, DTensor):
             entry.sharded = value  # the registered parameter wins if the user swapped one in
         entries.append(entry)
@@ -90,7 +84,8 @@ def _locate(root: UnitState, raw_key: str) -> tuple[nn.Module | None, str, UnitS
 def _inside_checkpoint_wrappers(module: nn.Module, name: str) -> nn.Module:
     """Activation-checkpoint wrappers drop their own name from state-dict keys (a hook of theirs):
     the module that really has ``name`` may be inside them."""
-    while not _has_member(module, name):
+    while not (_engine.registered_child(module, name) is not None or name in _own_names(module.named_parameters)
+               or name in _own_names(module.named_buffers)):
         inner = _engine.registered_child(module, CHECKPOINT_WRAPPED_MODULE)
         if inner is None:
             break
@@ -98,17 +93,9 @@ def _inside_checkpoint_wrappers(module: nn.Module, name: str) -> nn.Module:
     return module
 
 
-def _has_member(module: nn.Module, name: str) -> bool:
-    return (_engine.registered_child(module, name) is not None or name in _own_param_names(module)
-            or name in _own_buffer_names(module))
-
-
-def _own_param_names(module: nn.Module) -> set[str]:
-    return {name for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)}
-
-
-def _own_buffer_names(module: nn.Module) -> set[str]:
-    return {name for name, _ in module.named_buffers(recurse=False, remove_duplicate=False)}
+def _own_names(named_members: Any) -> set[str]:
+    """The names of a module's own (not its children's) parameters or buffers, tied ones included."""
+    return {name for name, _ in named_members(recurse=False, remove_duplicate=False)}
 
 
 def check_not_in_iteration(unit: UnitState, what: str) -> None:

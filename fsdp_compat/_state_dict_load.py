@@ -4,43 +4,34 @@ Every key, shape and value (tensor-like, castable: one element is trial-copied) 
 every rank before anything is written; ranks agree on the outcome with one all-reduce, so no rank
 copies while another raises. Values are then converted to what the module holds (DTensors laid
 out as the engine's parameters, plain tensors otherwise) and ``nn.Module.load_state_dict`` copies
-them, hooks and extra state included. Accepted values, whatever the type: plain tensors (full
-ones; this rank's pieces under LOCAL), ``DTensor`` and FSDP1's ``ShardedTensor`` (any layout).
+them, hooks and extra state included.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine, _flat_checkpoint
-from ._collectives import all_ranks_agree, broadcast_object, mesh_groups, ranks_where
+from ._collectives import all_ranks_agree, mesh_groups
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._full_tensors import sharded_tensor_local_piece
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
-from ._tensor_layout import TensorSpec, broadcast_tensor, is_sharded_tensor, same_layout, shard_like, to_full
+from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, to_full
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
 # Set while ``load_state_dict`` lets ``nn.Module`` copy into a wrapper: its hooks stand aside.
 _loading: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_compat_loading", default=False)
-
-
-@dataclasses.dataclass
-class _Incoming:
-    entry: Entry
-    value: Any
 
 
 def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
@@ -65,25 +56,34 @@ def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
         if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
             cast(_engine.FSDPModule, unit.module).reshard()
     entries, _ = entries_of(root)
-    state_dict = _as_given_by_distributed_checkpoint(root, state_dict, entries)
+    state_dict = _as_given_by_distributed_checkpoint(state_dict, entries)
     if state_dict_type == StateDictType.LOCAL_STATE_DICT:
-        state_dict = _from_fsdp1_flat_params(root, state_dict, entries)
-    incoming, missing, unexpected = _match_keys(entries, state_dict)
-    errors = _key_errors(missing, unexpected, strict)
-    errors += [e for item in incoming for e in _value_errors(item, state_dict_type)]
-    _agree_or_raise(root, errors)
-    summoned = [item for item in incoming if item.entry.full_visible]
-    raw = _converted([item for item in incoming if not item.entry.full_visible], state_dict_type)
+        state_dict = _flat_checkpoint.unflatten_if_flat(root, state_dict, entries)
+    incoming = [(entry, _as_tensor_if_tensor_like(state_dict[entry.key]))
+                for entry in entries if entry.key in state_dict]
+    missing = [entry.key for entry in entries if entry.key not in state_dict]
+    expected = {entry.key for entry in entries}
+    unexpected = [key for key in state_dict if key not in expected]
+    errors = _key_errors(missing, unexpected) if strict else []
+    errors += [error for entry, value in incoming for error in _value_errors(entry, value, state_dict_type)]
+    with _agreement(root):  # no rank copies while another one raises
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(root.wrapper).__name__, "\n\t".join(errors)))
+    with torch.no_grad():  # collectives run here: every rank has the same keys
+        raw = OrderedDict((entry.raw_key, _as_target_form(entry, value, state_dict_type))
+                          for entry, value in incoming if not entry.full_visible)
     raw._metadata = _raw_metadata(root.wrapper, metadata)  # type: ignore[attr-defined]
-    # Everything was checked on every rank: nn.Module's copy (hooks, extra state, assign) runs
-    # only on input it accepts.
     token = _loading.set(True)
     try:
         with _shards_registered(units):
             nn.Module.load_state_dict(root.wrapper, raw, strict=False, assign=assign)
     finally:
         _loading.reset(token)
-    _copy_into_summoned(summoned)
+    with torch.no_grad():
+        for entry, value in incoming:
+            if entry.full_visible:  # inside summon_full_params the full parameters are loaded
+                entry.value.copy_(to_full(value))  # (FSDP1); summon's writeback shards them
     return IncompatibleKeys(missing, unexpected)
 
 
@@ -93,18 +93,22 @@ def register_load_hooks(wrapper: nn.Module) -> None:
     wrapper.register_load_state_dict_post_hook(_forget_wrapped_missing_keys)
 
 
+def _root_loaded_from_outside(wrapper: nn.Module) -> UnitState | None:
+    root = state_of(wrapper)
+    return root if root is not None and root.is_root and not _loading.get() else None
+
+
 def _load_inside_plain_module(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str,
                               local_metadata: Any, strict: bool, missing_keys: list[str],
                               unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """``nn.Module.load_state_dict`` of a plain module holding a root wrapper reaches the wrapper
     with FSDP1's clean keys: load them with ``load_state_dict`` and hand nn.Module none of them.
 
-    Bad values change nothing in the wrapper's tree; but nn.Module does not tell hooks whether
-    the outer load is strict (``strict`` is always True here), so missing and unexpected keys are
-    reported to it and it raises after the rest was copied, as it does for plain modules.
+    Hooks are not told whether the outer load is strict (``strict`` is always True here), so
+    missing and unexpected keys are reported to nn.Module, which raises after copying the rest.
     """
-    root = state_of(wrapper)
-    if _loading.get() or root is None or not root.is_root:
+    root = _root_loaded_from_outside(wrapper)
+    if root is None:
         return
     ours = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict) if key.startswith(prefix)}
     result = load_state_dict(root, ours, strict=False)
@@ -113,13 +117,11 @@ def _load_inside_plain_module(wrapper: nn.Module, state_dict: dict[str, Any], pr
 
 
 def _forget_wrapped_missing_keys(wrapper: nn.Module, incompatible_keys: IncompatibleKeys) -> None:
-    """After :func:`_load_inside_plain_module`, nn.Module reports the tree's wrapper-prefixed keys
-    missing (it was handed none); they were loaded under their clean names."""
-    root = state_of(wrapper)
-    if _loading.get() or root is None or not root.is_root:
-        return
-    incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys
-                                         if FSDP_WRAPPED_MODULE not in key.split(".")]
+    """nn.Module reports the tree's wrapper-prefixed keys missing (the pre-hook handed it none);
+    they were loaded under their clean names."""
+    if _root_loaded_from_outside(wrapper) is not None:
+        incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys
+                                             if FSDP_WRAPPED_MODULE not in key.split(".")]
 
 
 @contextlib.contextmanager
@@ -131,8 +133,7 @@ def _shards_registered(units: list[UnitState]) -> Iterator[None]:
         if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
             continue
         for sharded, slots in _engine.unit_param_slots(unit.module):
-            owner, name = slots[0]
-            shown = getattr(owner, name)
+            shown = getattr(*slots[0])
             if shown is not sharded:
                 swapped.append((slots, shown))
                 for module, attr in slots:
@@ -145,38 +146,6 @@ def _shards_registered(units: list[UnitState]) -> Iterator[None]:
                 _engine.register_param(module, attr, shown)
 
 
-@torch.no_grad()
-def _copy_into_summoned(summoned: list[_Incoming]) -> None:
-    """Inside summon_full_params the full parameters are what is loaded (FSDP1); summon's
-    writeback carries them to the shards."""
-    for item in summoned:
-        item.entry.value.copy_(to_full(item.value))
-
-
-def _from_fsdp1_flat_params(root: UnitState, state_dict: Mapping[str, Any],
-                            entries: list[Entry]) -> Mapping[str, Any]:
-    """FSDP1's LOCAL format (one flat parameter per unit) as per-parameter values (see
-    ``_flat_checkpoint``). Ranks agree first on whether any of them holds flat parameters, then
-    on whether they fit this model; a misfit raises ``ValueError`` everywhere, nothing loaded."""
-    groups = mesh_groups(root.device_mesh)
-    if not ranks_where(_flat_checkpoint.holds_flat_params(state_dict), groups):
-        return state_dict
-    units, errors = _flat_checkpoint.plan(root, state_dict)
-    failed = ranks_where(bool(errors), groups)
-    if failed:
-        raise ValueError(_flat_checkpoint.misfit_message(errors, failed))
-    return _flat_checkpoint.unflatten(units, state_dict, entries)
-
-
-def _match_keys(entries: list[Entry], state_dict: Mapping[str, Any]) -> tuple[list[_Incoming], list[str], list[str]]:
-    expected = {entry.key for entry in entries}
-    incoming = [_Incoming(entry, _as_tensor_if_tensor_like(state_dict[entry.key]))
-                for entry in entries if entry.key in state_dict]
-    missing = [entry.key for entry in entries if entry.key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
-    return incoming, missing, unexpected
-
-
 def _as_tensor_if_tensor_like(value: Any) -> Any:
     """A tensor-like value that is not a tensor (a ``__torch_function__`` object, such as the lazily
     loaded tensors of Lightning's FULL checkpoints) as the tensor it stands for. ``nn.Module`` only
@@ -186,43 +155,22 @@ def _as_tensor_if_tensor_like(value: Any) -> Any:
     return torch.detach(value)
 
 
-def _as_given_by_distributed_checkpoint(root: UnitState, state_dict: Mapping[str, Any],
-                                        entries: list[Entry]) -> Mapping[str, Any]:
-    """What ``set_state_dict`` (torch.distributed.checkpoint) means by the dict it passes us."""
-    options = _engine.distributed_checkpoint_request()
-    if options is None:
+def _as_given_by_distributed_checkpoint(state_dict: Mapping[str, Any], entries: list[Entry]) -> Mapping[str, Any]:
+    """What ``set_state_dict`` (torch.distributed.checkpoint) means by the dict it passes us.
+
+    With ``full_state_dict`` or ``broadcast_from_rank0`` it adds the model's own tensors under
+    their wrapper-prefixed names next to the clean keys (it lists states by ``named_parameters``):
+    writing a tensor onto itself is a no-op, so they are dropped. (``broadcast_from_rank0``: torch,
+    taking our modules for FSDP1's through the adapter's interop, has broadcast rank 0's values.)
+    """
+    if _engine.distributed_checkpoint_request() is None:
         return state_dict
-    state_dict = _without_own_tensors(state_dict, entries)
-    if options.broadcast_from_rank0 and not _engine.DISTRIBUTED_CHECKPOINT_INTEROP:
-        # With the adapter's interop torch names our tensors as FSDP1's, so it has broadcast
-        # (and distributed) rank 0's values into every rank's dict itself.
-        state_dict = _broadcast_from_rank0(state_dict, root.compute_device)
-    return state_dict
-
-
-def _without_own_tensors(state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
-    """``set_state_dict`` with ``full_state_dict`` or ``broadcast_from_rank0`` adds the model's own
-    tensors under their wrapper-prefixed names next to the clean keys (torch lists a module's
-    states by ``named_parameters``, which carry the prefix); writing a tensor onto itself is a
-    no-op, so they are dropped."""
     own = {entry.raw_key: entry.value for entry in entries}
     return {key: value for key, value in state_dict.items()
             if not (key in own and own[key] is value and key != clean_name(key))}
 
 
-def _broadcast_from_rank0(state_dict: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """Rank 0's state dict on every rank (``broadcast_from_rank0=True``; torch broadcasts over the
-    default group, so do we). Tensors travel one by one; other values with the key list."""
-    manifest = broadcast_object({key: TensorSpec.of(value) if isinstance(value, torch.Tensor) else value
-                                 for key, value in state_dict.items()} if dist.get_rank() == 0 else None)
-    return {key: broadcast_tensor(state_dict[key] if dist.get_rank() == 0 else described, None, device)
-            if isinstance(described, TensorSpec) else described
-            for key, described in manifest.items()}
-
-
-def _key_errors(missing: list[str], unexpected: list[str], strict: bool) -> list[str]:
-    if not strict:
-        return []
+def _key_errors(missing: list[str], unexpected: list[str]) -> list[str]:
     errors = []
     if missing:
         errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
@@ -235,33 +183,28 @@ def _key_errors(missing: list[str], unexpected: list[str], strict: bool) -> list
     return errors
 
 
-def _target(item: _Incoming, state_dict_type: StateDictType) -> tuple[torch.Size, str]:
-    """The shape the value must have, and what that shape is, for the messages."""
-    entry = item.entry
-    if entry.sharded is None or entry.full_visible:
-        return entry.value.shape, "the shape in current model is"
-    if _is_local_type(entry, state_dict_type) and not _is_distributed(item.value):
-        return entry.sharded.to_local().shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
-    return entry.sharded.shape, "the shape in current model is"
-
-
-def _value_errors(item: _Incoming, state_dict_type: StateDictType) -> list[str]:
+def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> list[str]:
     """nn.Module's checks (type, shape, the copy itself), done before anything is copied."""
-    entry, value = item.entry, item.value
     if not isinstance(entry.value, torch.Tensor):
         return []  # extra state: the module's set_extra_state judges it
     if not torch.overrides.is_tensor_like(value):
         return [f'While copying the parameter named "{entry.key}", expected torch.Tensor or '
                 f"Tensor-like object from checkpoint but received {type(value)}"]
-    shape, described = _target(item, state_dict_type)
+    sharded = entry.sharded if not entry.full_visible else None
+    target = sharded.to_local() if sharded is not None else entry.value  # what the load writes
+    if (sharded is not None and _is_local_type(entry, state_dict_type)
+            and not (isinstance(value, DTensor) or is_sharded_tensor(value))):  # no global shape
+        shape, described = target.shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
+    else:
+        shape, described = (entry.value if sharded is None else sharded).shape, "the shape in current model is"
     value_shape = value.shape
     if len(shape) == 0 and len(value_shape) == 1 and value_shape[0] == 1:
         value_shape = shape  # nn.Module's allowance: a 1-element 1-d value for a 0-d tensor
     if value_shape != shape:
         return [f"size mismatch for {entry.key}: copying a param with shape {value.shape} from "
                 f"checkpoint, {described} {shape}."]
-    try:
-        _trial_copy(value, entry)
+    try:  # one element copied the way the load will: catches values that cannot be cast (meta...)
+        _trial_copy(value, target)
     except Exception as error:  # noqa: BLE001 - reported as nn.Module reports copy failures
         return [f'While copying the parameter named "{entry.key}", whose dimensions in the model '
                 f"are {shape} and whose dimensions in the checkpoint are {value.shape}, an "
@@ -269,44 +212,19 @@ def _value_errors(item: _Incoming, state_dict_type: StateDictType) -> list[str]:
     return []
 
 
-def _trial_copy(value: torch.Tensor, entry: Entry) -> None:
-    """Copy one element the way the load will, to catch values that cannot be cast (meta,
-    quantized...) before anything is written."""
-    target = entry.sharded.to_local() if entry.sharded is not None and not entry.full_visible else entry.value
-    source = _local_part(value)
+def _trial_copy(value: torch.Tensor, target: torch.Tensor) -> None:
+    if isinstance(value, DTensor):
+        source: torch.Tensor | None = value.to_local()
+    elif is_sharded_tensor(value):
+        shards = value.local_shards()  # type: ignore[attr-defined]
+        source = shards[0].tensor if shards else None
+    else:
+        source = value
     if source is None or source.numel() == 0:
-        source = torch.empty(1, dtype=value.dtype, device=_device_of(value))
+        source = torch.empty(1, dtype=value.dtype, device=source.device if source is not None else "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. complex -> real: the real copy warns once
         torch.empty(1, dtype=target.dtype, device=target.device).copy_(source.reshape(-1)[:1])
-
-
-def _local_part(value: torch.Tensor) -> torch.Tensor | None:
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if _is_distributed(value):
-        shards = value.local_shards()  # type: ignore[attr-defined]
-        return shards[0].tensor if shards else None
-    return value
-
-
-def _device_of(value: torch.Tensor) -> torch.device:
-    local = _local_part(value)
-    return local.device if local is not None else torch.device("cpu")
-
-
-def _is_distributed(value: Any) -> bool:
-    """DTensor or ShardedTensor: values that carry their global shape."""
-    return isinstance(value, DTensor) or is_sharded_tensor(value)
-
-
-def _agree_or_raise(root: UnitState, errors: list[str]) -> None:
-    """Raise on every rank if the checks failed on any of them, so that no rank copies while
-    another one raises."""
-    with _agreement(root):
-        if errors:
-            raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
-                type(root.wrapper).__name__, "\n\t".join(errors)))
 
 
 def _agreement(root: UnitState) -> contextlib.AbstractContextManager[None]:
@@ -314,37 +232,23 @@ def _agreement(root: UnitState) -> contextlib.AbstractContextManager[None]:
     return all_ranks_agree(mesh_groups(root.device_mesh), "The state dict", "nothing was loaded on any rank")
 
 
-@torch.no_grad()
-def _converted(incoming: list[_Incoming], state_dict_type: StateDictType) -> OrderedDict[str, Any]:
-    """Raw-keyed values in the form of what the module holds: DTensors laid out as the engine's
-    parameters, plain full tensors for the rest. Collectives run here (every rank has the same
-    keys: the checks passed everywhere)."""
-    raw: OrderedDict[str, Any] = OrderedDict()
-    for item in incoming:
-        raw[item.entry.raw_key] = _as_target_form(item, state_dict_type)
-    return raw
-
-
-def _as_target_form(item: _Incoming, state_dict_type: StateDictType) -> Any:
-    entry, value = item.entry, item.value
+def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) -> Any:
+    """``value`` as what the module holds: a DTensor laid out as the engine's parameter (this
+    rank's piece taken without communication where the layouts allow), else a plain full tensor."""
     if not isinstance(entry.value, torch.Tensor):
         return value
     if entry.sharded is None or entry.full_visible:
         return to_full(value)
     sharded = entry.sharded
-    piece = _piece_without_communication(value, sharded, _is_local_type(entry, state_dict_type))
+    if isinstance(value, DTensor):
+        piece = value.to_local() if same_layout(value, sharded) else None
+    elif is_sharded_tensor(value):
+        piece = sharded_tensor_local_piece(value, sharded)
+    else:
+        piece = value if _is_local_type(entry, state_dict_type) else None
     if piece is None:
         return shard_like(to_full(value), sharded)
     return dtensor_like(piece.to(sharded.to_local().device), sharded)
-
-
-def _piece_without_communication(value: torch.Tensor, sharded: DTensor, local_type: bool) -> torch.Tensor | None:
-    """This rank's piece of ``value`` in ``sharded``'s layout, when no collective is needed."""
-    if isinstance(value, DTensor):
-        return value.to_local() if same_layout(value, sharded) else None
-    if is_sharded_tensor(value):
-        return sharded_tensor_local_piece(value, sharded)
-    return value if local_type else None
 
 
 def _is_local_type(entry: Entry, state_dict_type: StateDictType) -> bool:
@@ -360,8 +264,6 @@ def _raw_metadata(wrapper: nn.Module, metadata: Mapping[str, Any] | None) -> Ord
         return result
     for path, _ in wrapper.named_modules():
         clean = clean_module_path(path)
-        if clean in metadata:
-            result[path] = metadata[clean]
-        elif path in metadata:
-            result[path] = metadata[path]
+        if clean in metadata or path in metadata:
+            result[path] = metadata[clean if clean in metadata else path]
     return result

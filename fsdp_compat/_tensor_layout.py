@@ -54,10 +54,7 @@ def copy_to(tensor: torch.Tensor, device: torch.device | str | None = None) -> t
 def full_tensors(values: list[DTensor], device: torch.device | str | None = None, *,
                  keep: bool = True, buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
     """The unsharded values of ``values`` as new memory each, on ``device`` (default: where each
-    local shard is), with one all-gather per process group and dtype (``DTensor.full_tensor``
-    issues one per tensor). ``keep=False``: take part, return ``[]``. ``buffer``: see
-    ``gather_full_tensors``. A collective: every rank of the meshes must call with the same
-    tensors in the same order."""
+    local shard is); ``keep`` and ``buffer`` as in ``gather_full_tensors``, whose collective this is."""
     if not values:
         return []
     mesh_device = torch.device(values[0].device_mesh.device_type)
@@ -82,16 +79,12 @@ def same_layout(value: DTensor, like: DTensor) -> bool:
 
 
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
-    """This rank's part of ``full`` laid out as ``like`` (a parameter), as new memory.
-
-    No communication: every rank holds ``full`` and keeps its own slice, with the engine's
-    ``torch.chunk`` sharding (uneven and empty shards included) taken from ``like`` itself.
-    """
+    """This rank's part of ``full`` (held by every rank) laid out as ``like``, as new memory;
+    no communication."""
     local_like = local_tensor(like)
     rows = engine_local_rows(like, local_like)
     if rows is not None:  # the engine's layout: a run of rows, found without DTensor's general math
-        start, count = rows
-        piece = full[start:start + count]
+        piece = full[rows[0]:rows[0] + rows[1]]
     else:
         local_shape, offset = local_shape_and_offset(like)
         piece = full[tuple(slice(begin, begin + size) for begin, size in zip(offset, local_shape))]
@@ -191,14 +184,10 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
 
 
 def to_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, as new memory.
-
-    A DTensor already sharded as ``like`` (a checkpoint loaded into a template from this model)
-    is copied without communication; other layouts are gathered first.
-    """
+    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, as new memory;
+    without communication when ``value`` is already sharded as ``like``."""
     if isinstance(like, DTensor):
         if isinstance(value, DTensor) and same_layout(value, like):
             return local_copy(value, local_tensor(like).device)
         return shard_like(to_full(value), like)
-    full = to_full(value)
-    return copy_to(full, like.device)
+    return copy_to(to_full(value), like.device)

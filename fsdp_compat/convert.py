@@ -1,21 +1,16 @@
 """Convert torch FSDP1 LOCAL_STATE_DICT checkpoints (flat parameters) into ones any world size loads.
 
-FSDP1's LOCAL checkpoints are one file per rank, each holding that rank's slice of every unit's
-flat parameter; they only load at the world size and wrapping they were written with. This reads
-them with the model definition, without FSDP1, and writes a FULL state dict file
-(``torch.save``, clean parameter names: loads into the plain model, or into
-``FullyShardedDataParallel`` under ``FULL_STATE_DICT``) or a ``torch.distributed.checkpoint``
-directory (``SHARDED_STATE_DICT``), which load at any world size.
-
+FSDP1's LOCAL checkpoints (one file per rank) load only at the world size and wrapping they were
+written with. This reads them with the model definition, without FSDP1, and writes a FULL state
+dict file (``torch.save``, clean parameter names) or a ``torch.distributed.checkpoint`` directory.
 Launch one process per rank file, as many as the checkpoint was written with::
 
     torchrun --nproc-per-node 2 -m fsdp_compat.convert --model mypkg.models:build_model \\
         --checkpoint 'checkpoints/local_rank{rank}.pt' --output model_full.pt
 
-``--model`` names a function returning the (unwrapped) model the checkpoint is of. The units are
-read off the checkpoint (one flat parameter per unit); modules that were ignored when it was
-written must be named (``--ignored-modules side.proj``). Each rank's file is read with
-``torch.load(weights_only=False)`` (``ShardedTensor`` needs it): convert only checkpoints you trust.
+``--model`` names a function returning the unwrapped model; the units are read off the checkpoint,
+modules ignored when it was written must be named (``--ignored-modules side.proj``). Files are read
+with ``torch.load(weights_only=False)`` (``ShardedTensor`` needs it): convert only checkpoints you trust.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._collectives import communication_device
-from ._flat_checkpoint import FLAT_PARAM, holds_flat_params
+from ._flat_checkpoint import FLAT_PARAM, flat_unit_paths
 from .api import FullStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .wrap import CustomPolicy
@@ -46,11 +41,11 @@ def convert_local_checkpoint(model: nn.Module, checkpoint: str | os.PathLike[str
                              device: torch.device | str | None = None) -> None:
     """Read this rank's FSDP1 LOCAL checkpoint file into ``model`` and write a FULL or DCP one.
 
-    Call on every rank of the default process group, whose size is the checkpoint's world size.
-    ``checkpoint``: this rank's file; ``{rank}`` in it is replaced by the rank. ``output``: the
-    FULL file (``output_format="full"``, written by rank 0) or the DCP directory (``"dcp"``).
-    ``ignored_modules``: paths of the modules ignored when the checkpoint was written.
-    ``model`` is wrapped (and so sharded) on the way; build a fresh one to train.
+    Call on every rank of the default process group, of the checkpoint's world size.
+    ``checkpoint``: this rank's file (``{rank}`` is replaced by the rank). ``output``: the FULL
+    file (``output_format="full"``, written by rank 0) or the DCP directory (``"dcp"``).
+    ``ignored_modules``: paths of the modules ignored when the checkpoint was written. ``model``
+    is wrapped (and sharded) on the way; build a fresh one to train.
     """
     if output_format not in FORMATS:
         raise ValueError(f"output_format must be one of {FORMATS}, got {output_format!r}")
@@ -71,7 +66,7 @@ def _load_rank_file(checkpoint: str, device: torch.device) -> dict[str, Any]:
                          "(e.g. 'local_rank{rank}.pt'): an FSDP1 LOCAL checkpoint is one file per rank")
     path = checkpoint.replace("{rank}", str(dist.get_rank()))
     state_dict = torch.load(path, map_location=device, weights_only=False)
-    if not holds_flat_params(state_dict):
+    if not flat_unit_paths(state_dict):
         raise ValueError(f"{path} holds no flat parameters (keys ending in {FLAT_PARAM!r}), so it is "
                          "not an FSDP1 LOCAL_STATE_DICT of a sharded model. (FSDP1 saves NO_SHARD "
                          "models' LOCAL state dicts as FULL ones: load it under FULL_STATE_DICT.)")
@@ -81,9 +76,8 @@ def _load_rank_file(checkpoint: str, device: torch.device) -> dict[str, Any]:
 def _wrap_like_checkpoint(model: nn.Module, state_dict: dict[str, Any], ignored_modules: Iterable[str],
                           device: torch.device) -> FullyShardedDataParallel:
     """``model`` wrapped into the units that the checkpoint has flat parameters for."""
-    unit_paths = [key[:-len(FLAT_PARAM)].rstrip(".") for key in state_dict
-                  if key == FLAT_PARAM or key.endswith("." + FLAT_PARAM)]
-    units = {id(_submodule(model, path, "the checkpoint has a unit")) for path in unit_paths if path}
+    units = {id(_submodule(model, path, "the checkpoint has a unit"))
+             for path in flat_unit_paths(state_dict).values() if path}
     ignored = [_submodule(model, path, "--ignored-modules names") for path in ignored_modules]
     return FullyShardedDataParallel(model, auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),
                                     ignored_modules=ignored or None, device_id=device)
