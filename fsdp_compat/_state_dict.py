@@ -41,7 +41,8 @@ from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimState
                   OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
                   StateDictSettings, StateDictType, coerce_config, coerce_enum)
 
-__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type", "state_dict"]
+__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type",
+           "set_state_dict_type_on", "state_dict"]
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -61,7 +62,13 @@ def set_state_dict_type(
     As FSDP1: a config of the wrong class raises ``RuntimeError``; a module without wrappers is
     left alone and ``StateDictSettings(None, None, None)`` returned (which, passed back, is a no-op).
     """
-    units = units_in(module)
+    return set_state_dict_type_on(units_in(module), state_dict_type, state_dict_config, optim_state_dict_config)
+
+
+def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_dict_config: Any = None,
+                           optim_state_dict_config: Any = None) -> StateDictSettings:
+    """:func:`set_state_dict_type` on the given ``units`` (the context manager restores the same
+    ones: one walk of the model instead of two per checkpoint call)."""
     if state_dict_type is None and not units:
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     # Arguments given on one rank only must not let the other ranks go on to a state dict's
@@ -77,13 +84,13 @@ def set_state_dict_type(
     return _apply_settings(units, state_dict_type, state_dict_config, optim_state_dict_config, previous)
 
 
-def restore_state_dict_type(module: nn.Module, settings: StateDictSettings) -> None:
-    """Put back what :func:`set_state_dict_type` returned (``state_dict_type``'s exit). The
-    values were checked and agreed on when they were set, so this is local: a rank leaving the
-    context by an exception does not wait for the others."""
+def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings) -> None:
+    """Put back on ``units`` what :func:`set_state_dict_type_on` returned (``state_dict_type``'s
+    exit). The values were checked and agreed on when they were set, so this is local: a rank
+    leaving the context by an exception does not wait for the others."""
     if settings.state_dict_type is None:
         return
-    _apply_settings(units_in(module), settings.state_dict_type, settings.state_dict_config,
+    _apply_settings(units, settings.state_dict_type, settings.state_dict_config,
                     settings.optim_state_dict_config, settings)
 
 
@@ -131,10 +138,15 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings shared by every wrapper in ``module`` (``None`` without wrappers, as FSDP1);
     ``AssertionError`` if they differ."""
     settings: StateDictSettings | None = None
+    first: UnitState | None = None
     for unit in units_in(module):
+        if first is not None and (unit.state_dict_type is first.state_dict_type  # set together: shared
+                                  and unit.state_dict_config is first.state_dict_config
+                                  and unit.optim_state_dict_config is first.optim_state_dict_config):
+            continue
         current = StateDictSettings(unit.state_dict_type, unit.state_dict_config, unit.optim_state_dict_config)
         if settings is None:
-            settings = current
+            settings, first = current, unit
         elif settings != current:
             raise AssertionError(f"All FSDP modules must have the same state dict settings. "
                                  f"Got {current} and {settings}.")

@@ -275,12 +275,13 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Generator[None, None, None]:
         """Context manager form of :meth:`set_state_dict_type`; restores the previous settings."""
-        previous = _state_dict.set_state_dict_type(module, state_dict_type, state_dict_config,
-                                                   optim_state_dict_config)
+        units = units_in(module)
+        previous = _state_dict.set_state_dict_type_on(units, state_dict_type, state_dict_config,
+                                                      optim_state_dict_config)
         try:
             yield
         finally:
-            _state_dict.restore_state_dict_type(module, previous)
+            _state_dict.restore_state_dict_type(units, previous)
 
     # One signature for nn.Module's overloads, as FSDP1's (positional arguments still accepted).
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
