@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, clean_name
 from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_container_has_no_own_params, check_module,
                           check_not_shared_with_another_root, is_forwardless_container, remember_sharded,
                           resolve_ignored_states)
-from ._mesh import build_mesh, resolve_device
+from ._mesh import build_mesh, flatten_to_1d, resolve_device
 from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
 from ._unit_state import STATE_ATTR, UnitState, state_of, units_in
@@ -63,6 +64,21 @@ def _warn_about_moot_options(limit_all_gathers: bool, backward_prefetch: Backwar
         warn_once("backward_prefetch", f"backward_prefetch={backward_prefetch} is treated "
                   "as BACKWARD_PRE: the FSDP2 engine prefetches the next unit before the current "
                   "unit's gradient computation. Results are unchanged; only overlap differs.")
+
+
+def _strategy_for_group(requested: ShardingStrategy, mesh: DeviceMesh) -> ShardingStrategy:
+    """FSDP1's strategy for a shard group of ``mesh``'s size: ``NO_SHARD`` when that group (the
+    process group, the intra-node one for hybrid strategies) is one rank, whatever the world size,
+    since sharding over one rank replicates."""
+    return ShardingStrategy.NO_SHARD if mesh.size(mesh.ndim - 1) == 1 else requested
+
+
+def _warn_if_switched_to_no_shard(requested: ShardingStrategy, strategy: ShardingStrategy) -> None:
+    """FSDP1's warning (its text, and its ``stacklevel``: the wrapper's ``__init__``) for each wrapper
+    whose strategy was switched; like FSDP1, nested wrappers made by auto-wrapping warn first."""
+    if strategy != requested:
+        warnings.warn(f"FSDP is switching to use `NO_SHARD` instead of {requested} since the world size is 1.",
+                      stacklevel=2)
 
 
 def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
@@ -134,18 +150,19 @@ class FullyShardedDataParallel(nn.Module):
         ignored_modules, ignored_params = resolve_ignored_states(module, ignored_modules, ignored_states)
         check_not_shared_with_another_root(module, ignored_params)
         compute_device = resolve_device(device_id, process_group)
+        mesh = build_mesh(strategy, process_group, device_mesh, compute_device)
+        requested, strategy = strategy, _strategy_for_group(strategy, mesh)
         self.__dict__[STATE_ATTR] = state = UnitState(
             wrapper=self, sharding_strategy=strategy, cpu_offload=cpu_offload, mixed_precision=mixed_precision,
             backward_prefetch=backward_prefetch, forward_prefetch=bool(forward_prefetch),
             limit_all_gathers=bool(limit_all_gathers), use_orig_params=bool(use_orig_params),
             sync_module_states=bool(sync_module_states), ignored_modules=ignored_modules,
-            ignored_params=ignored_params, compute_device=compute_device,
-            device_mesh=build_mesh(strategy, process_group, device_mesh, compute_device))
+            ignored_params=ignored_params, compute_device=compute_device, device_mesh=mesh)
 
         materializer = MetaMaterializer(compute_device, ignored_modules, param_init_fn)
         if auto_wrap_policy is not None:
-            child_kwargs = dict(
-                sharding_strategy=strategy, cpu_offload=cpu_offload,
+            child_kwargs = dict(  # the strategy asked for: FSDP1's children each decide (and warn) themselves
+                sharding_strategy=requested, cpu_offload=cpu_offload,
                 backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
                 device_id=device_id, sync_module_states=state.sync_module_states,
                 forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
@@ -160,6 +177,7 @@ class FullyShardedDataParallel(nn.Module):
             # one unit is ever unsharded.
             apply_wrapping(module, targets, functools.partial(_wrap_child, state),
                            before_visit=materializer.materialize_own_states)
+        _warn_if_switched_to_no_shard(requested, strategy)
         materializer.materialize_unit(module)
         if state.sync_module_states:
             broadcast_from_rank0(module, state.device_mesh, ignored_modules, ignored_params)
@@ -178,7 +196,10 @@ class FullyShardedDataParallel(nn.Module):
         else:
             _engine.apply_engine(
                 module,
-                mesh=state.device_mesh,
+                # NO_SHARD replicates over every rank of the mesh: a hybrid strategy switched to it
+                # (one-rank shard groups) still averages gradients over the replicas, where FSDP1
+                # all-reduces over the one-rank group only (README, "Differences from torch FSDP1").
+                mesh=flatten_to_1d(state.device_mesh) if strategy == ShardingStrategy.NO_SHARD else state.device_mesh,
                 replicate_only=strategy == ShardingStrategy.NO_SHARD,
                 reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy],
                 mp_policy=_mixed_precision.engine_policy(state.mixed_precision),

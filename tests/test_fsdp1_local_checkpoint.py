@@ -111,11 +111,12 @@ def test_other_wrapping_raises_on_every_rank_and_changes_nothing():
 
 @pytest.mark.parametrize("writer_uop", [False, True])
 @distributed_test(world_size=2)
-def test_other_shard_world_size_raises_on_every_rank_and_changes_nothing(writer_uop):
-    """Written sharded over 2 ranks, loaded sharded over 1 (hybrid sharding, 2 replicas)."""
+def test_one_rank_shard_groups_raise_on_every_rank_and_change_nothing(writer_uop):
+    """Written sharded over 2 ranks, loaded into hybrid sharding over one-rank groups (2 replicas),
+    which is ``NO_SHARD`` as in FSDP1: no unit has a flat parameter to load."""
     mesh = init_device_mesh(diff.device().type, (2, 1))
     model = ours(sharding_strategy=fsdp_compat.ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)
-    assert_raises_everywhere_and_changes_nothing(model, golden_rank_file(writer_uop), "world size 1",
+    assert_raises_everywhere_and_changes_nothing(model, golden_rank_file(writer_uop), "no sharded unit 'gate'",
                                                  "do not match", "save it as FULL_STATE_DICT")
 
 
