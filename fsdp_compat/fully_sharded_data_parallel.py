@@ -73,12 +73,17 @@ def _strategy_for_group(requested: ShardingStrategy, mesh: DeviceMesh) -> Shardi
     return ShardingStrategy.NO_SHARD if mesh.size(mesh.ndim - 1) == 1 else requested
 
 
-def _warn_if_switched_to_no_shard(requested: ShardingStrategy, strategy: ShardingStrategy) -> None:
-    """FSDP1's warning (its text, and its ``stacklevel``: the wrapper's ``__init__``) for each wrapper
-    whose strategy was switched; like FSDP1, nested wrappers made by auto-wrapping warn first."""
+def _warn_about_no_shard(requested: ShardingStrategy, strategy: ShardingStrategy, mesh: DeviceMesh) -> None:
+    """FSDP1's warnings about ``NO_SHARD`` (its texts and ``stacklevel``s), per wrapper; like FSDP1's,
+    nested wrappers made by auto-wrapping warn first. A strategy switched for a one-rank shard group
+    warns from the wrapper's ``__init__``; ``NO_SHARD`` asked for over several ranks is deprecated
+    (FSDP1 points users at DDP), from the caller of ``__init__``."""
     if strategy != requested:
         warnings.warn(f"FSDP is switching to use `NO_SHARD` instead of {requested} since the world size is 1.",
                       stacklevel=2)
+    elif strategy == ShardingStrategy.NO_SHARD and mesh.size(mesh.ndim - 1) > 1:
+        warnings.warn("The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+                      "`DistributedDataParallel` instead.", FutureWarning, stacklevel=3)
 
 
 def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
@@ -177,7 +182,7 @@ class FullyShardedDataParallel(nn.Module):
             # one unit is ever unsharded.
             apply_wrapping(module, targets, functools.partial(_wrap_child, state),
                            before_visit=materializer.materialize_own_states)
-        _warn_if_switched_to_no_shard(requested, strategy)
+        _warn_about_no_shard(requested, strategy, state.device_mesh)
         materializer.materialize_unit(module)
         if state.sync_module_states:
             broadcast_from_rank0(module, state.device_mesh, ignored_modules, ignored_params)

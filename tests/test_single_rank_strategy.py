@@ -119,6 +119,24 @@ def test_hybrid_with_one_rank_shard_groups_switches():
 
 
 @distributed_test(world_size=2)
+def test_no_shard_over_several_ranks_warns_that_it_is_deprecated():
+    ours = _wrap(FSDP, "NO_SHARD")
+    assert ours["strategies"] == ["ShardingStrategy.NO_SHARD"] and ours["world_sizes"] == [2]
+    assert [category for _, category, _ in ours["warnings"]] == ["FutureWarning"]
+    assert ours == _fsdp1("manual-NO_SHARD", strategy="NO_SHARD")
+
+
+@distributed_test(world_size=2)
+def test_no_shard_over_several_ranks_warns_once_per_wrapper():
+    """FSDP1 warns from where each wrapper is built: for auto-wrapped units, inside its wrapping code."""
+    ours = _wrap(FSDP, "NO_SHARD", nested=True)
+    fsdp1 = _fsdp1("nested-NO_SHARD", strategy="NO_SHARD", nested=True)
+    assert ours["strategies"] == fsdp1["strategies"] == ["ShardingStrategy.NO_SHARD"] * 3
+    assert [w[:2] for w in ours["warnings"]] == [w[:2] for w in fsdp1["warnings"]]
+    assert len(ours["warnings"]) == 3
+
+
+@distributed_test(world_size=2)
 def test_hybrid_with_one_node_of_two_ranks_keeps_its_strategy():
     ours = _wrap(FSDP, "HYBRID_SHARD", mesh_shape=(1, 2))
     assert ours == {"strategies": ["ShardingStrategy.HYBRID_SHARD"], "world_sizes": [2], "warnings": []}
