@@ -379,8 +379,9 @@ class RankPool:
             self._procs.append(proc)
             self._conns.append(parent_end)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop workers cleanly; kill any that do not exit within ``timeout``."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop workers cleanly; kill any that do not exit within ``timeout`` (generous: a worker
+        tearing down its process group took over 5 s on 2 cores under a load average of 6)."""
         self._closed = True
         for conn in self._conns:
             try:
