@@ -494,8 +494,10 @@ def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str,
     batches: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
     for name, param_state in skeleton["state"].items():
         param = index.param_of_fqn[name]
+        if not scatterable(param, group):  # decided once per parameter, alike on every rank
+            continue
         for state_name, value in param_state.items():
-            if isinstance(value, TensorSpec) and scatterable(param, group):
+            if isinstance(value, TensorSpec):
                 batches.setdefault((index.unit_of.get(param), state_name, value.dtype), []).append((name, state_name))
     for (_, _, dtype), keys in batches.items():
         likes = [cast(DTensor, index.param_of_fqn[name]) for name, _ in keys]
