@@ -10,6 +10,11 @@ that reloads or re-types them, or an optimizer built after wrapping would go sta
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -183,9 +188,9 @@ def test_parameter_objects_survive_reloads_and_edits(strategy):
     assert parameter_ids(model) == ids, "apply"
     with FSDP.state_dict_type(model, fsdp_compat.StateDictType.SHARDED_STATE_DICT):
         state = {"model": model.state_dict()}
-        path = _shared_tmp_dir()
-        dcp.save(state, checkpoint_id=path)
-        dcp.load(state, checkpoint_id=path)
+        with _shared_tmp_dir() as path:
+            dcp.save(state, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
     assert parameter_ids(model) == ids, "torch.distributed.checkpoint load"
     before = diff.full_parameters(model)
@@ -194,10 +199,14 @@ def test_parameter_objects_survive_reloads_and_edits(strategy):
     assert all(not torch.equal(before[name], after[name]) for name in after), "stopped training"
 
 
-def _shared_tmp_dir() -> str:
-    """One fresh directory every rank agrees on."""
-    import tempfile
-
+@contextlib.contextmanager
+def _shared_tmp_dir() -> Iterator[str]:
+    """One fresh directory every rank agrees on, removed afterwards."""
     path = [tempfile.mkdtemp(prefix="fsdp_compat_identity_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)
-    return path[0]
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
