@@ -1,13 +1,9 @@
 """Part of the switch: Lightning's "is this FSDP2?" check answers no for modules holding our units.
 
-Lightning's ``_has_dtensor_modules`` (``lightning.fabric.strategies.model_parallel``) recognises
-FSDP2 by ``DTensor`` parameters, before it checks for FSDP1's class. Our units hold ``DTensor``
-parameters but FSDP1's ``_fsdp_wrapped_module.`` names, so its FSDP2 branch of
-``_load_raw_module_state`` (``fabric.load``, ``Trainer.fit(ckpt_path=...)`` of a FULL checkpoint)
-fails on them. While the switch is on, the check answers ``False`` for a module holding our units, so
-Lightning takes its FSDP1 branch; any other module gets Lightning's own answer. Applied at once if
-Lightning is imported, else by an import hook; both undone by :func:`unpatch`. Nothing here imports
-Lightning.
+Lightning's ``_has_dtensor_modules`` recognises FSDP2 by ``DTensor`` parameters before it checks for
+FSDP1's class; our units have those but FSDP1's names, so its FSDP2 branch of ``_load_raw_module_state``
+(``fabric.load`` of a FULL checkpoint) fails on them. Patched at once if Lightning is imported, else
+by an import hook; nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -61,8 +57,8 @@ def _patch_module(module: ModuleType) -> None:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for the module defining the check, lets the other finders find it and
-    patches the check right after the module runs."""
+    """Finds nothing itself: lets the other finders find the check's module, and patches the check
+    right after the module runs."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:

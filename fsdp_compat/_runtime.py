@@ -1,10 +1,5 @@
 """Runtime controls around training steps: ``no_sync``, ``clip_grad_norm_``, ``summon_full_params``,
-comm hooks, forward prefetch and recovery after a step that raised.
-
-``summon_full_params`` gathers the sharded ``DTensor`` parameters in their own precision rather than
-through the engine's unshard (which all-gathers in ``param_dtype``): FSDP1 shows full precision
-inside, and the gathered copy is independent of the engine's buffers.
-"""
+comm hooks, forward prefetch and recovery after a step that raised."""
 
 from __future__ import annotations
 
@@ -67,10 +62,7 @@ def _configure_forward_prefetch(forward_order: list[UnitState]) -> None:
 @contextlib.contextmanager
 def no_sync(root: UnitState) -> Generator[None, None, None]:
     """Skip gradient reduction inside the context; the next synced backward reduces the total.
-
-    Every unit (sharded, hybrid and replicated alike) keeps its unreduced gradient locally; the
-    flags are restored on exit, so nested use keeps syncing off until the outermost exit.
-    """
+    The flags are restored on exit, so nested use keeps syncing off until the outermost exit."""
     if not root.is_root:
         raise RuntimeError("`no_sync()` on inner FSDP instances is not supported. Please call "
                            "`no_sync()` on root FSDP module.")
@@ -99,14 +91,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """FSDP1's total norm over every rank's gradients: the FP32 norm of each local part, combined
-    as one vector. Gradients sharded over the same mesh dimensions are reduced together over those
-    dimensions only (so a hybrid replica's copy counts once); replicated and plain ones
-    (``NO_SHARD``, ignored parameters) are added once, locally, last, as in FSDP1.
+    """FSDP1's total norm over every rank's gradients, in FP32: each group sharded on the same mesh
+    dims is reduced over those dims only (a hybrid replica's copy counts once); replicated and plain
+    ones (``NO_SHARD``, ignored parameters) are added locally, last, as in FSDP1.
 
-    Not ``torch.nn.utils.get_total_norm`` (measured): it computes in the gradients' dtype (FSDP1
-    and we: FP32), cannot mix DTensors of different meshes or with plain tensors, and its inf
-    norm fails on an empty shard.
+    Not ``torch.nn.utils.get_total_norm`` (measured): it computes in the gradients' dtype, cannot mix
+    DTensors of different meshes or with plain tensors, and its inf norm fails on an empty shard.
     """
     infinite = math.isinf(norm_type)
     by_sharding: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
@@ -132,9 +122,8 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int,
     """Clip all gradients in place by their total norm over every rank; return that norm.
 
     FSDP1's coefficient ``min(max_norm / (total + 1e-6), 1)``, cast to each gradient's dtype
-    before multiplying (``torch.nn.utils.clip_grads_with_norm_`` does not cast, so bf16 results
-    differ, and refuses DTensor and plain gradients together), and FSDP1's return dtype
-    (gradients' promoted dtype; FP32, with a warning, on a rank without gradients).
+    (``clip_grads_with_norm_`` does not, so bf16 results differ, and refuses DTensor and plain
+    gradients together), and FSDP1's return dtype (FP32, with a warning, without gradients).
     """
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes.
     with all_ranks_agree(mesh_groups(unit.device_mesh), "The clip_grad_norm_() arguments",
@@ -171,10 +160,9 @@ class _SummonedParam:
     registered: nn.Parameter              # what the slots held before (restored on exit)
     full: nn.Parameter | None = None      # what they hold inside; None where this rank keeps shards
 
-
-def _register(slots: list[_engine.ParamSlot], param: nn.Parameter) -> None:
-    for module, name in slots:
-        _engine.register_param(module, name, param)
+    def register(self, param: nn.Parameter) -> None:
+        for module, name in self.slots:
+            _engine.register_param(module, name, param)
 
 
 @torch.no_grad()
@@ -206,30 +194,29 @@ def _validate_summon_args(units: list[UnitState], writeback: bool, rank0_only: b
 
 def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
                  with_grads: bool, summoned: list[_SummonedParam]) -> None:
-    """Gather the unit's parameters (every rank takes part) and register the full ones, recording
-    each in ``summoned`` as soon as it is registered, so that a failure midway still restores it."""
-    entries = []
+    """Gather the unit's parameters (every rank takes part) and register the full ones; each is in
+    ``summoned`` before it is replaced, so that a failure midway still restores it.
+
+    Gathered from the sharded parameters in their own precision, not by the engine's unshard (in
+    ``param_dtype``): FSDP1 shows full precision, and the copies are independent of the engine's buffers.
+    """
+    items = []
     for engine_sharded, slots in _engine.unit_param_slots(unit.module):
         registered = getattr(*slots[0])
         # Normally the same object; the registered one wins if the user swapped in a new DTensor.
-        sharded = registered if isinstance(registered, DTensor) else engine_sharded
-        entries.append((sharded, slots, registered))
+        items.append(_SummonedParam(registered if isinstance(registered, DTensor) else engine_sharded,
+                                    slots, registered))
+    summoned.extend(items)
     # One all-gather for the whole unit (per dtype), not one per parameter.
-    values = gather_full_tensors([sharded for sharded, _, _ in entries], unit.compute_device)
-    grads: dict[int, torch.Tensor] = {}
-    if with_grads:
-        with_grad = [i for i, (sharded, _, _) in enumerate(entries) if sharded.grad is not None]
-        gathered = gather_full_tensors([cast(DTensor, entries[i][0].grad) for i in with_grad], unit.compute_device)
-        grads = dict(zip(with_grad, gathered))
-    for index, ((sharded, slots, registered), value) in enumerate(zip(entries, values)):
-        item = _SummonedParam(sharded, slots, registered)
-        summoned.append(item)
-        if keep_shards:
-            continue
+    values = gather_full_tensors([item.sharded for item in items], unit.compute_device)
+    with_grad = [item for item in items if with_grads and item.sharded.grad is not None]
+    grads = gather_full_tensors([cast(DTensor, item.sharded.grad) for item in with_grad], unit.compute_device)
+    grad_of = {id(item): grad for item, grad in zip(with_grad, grads)}
+    for item, value in zip(items, [] if keep_shards else values):
         value = value.cpu() if offload_to_cpu else value.to(unit.compute_device)
-        item.full = nn.Parameter(value, requires_grad=sharded.requires_grad)
-        item.full.grad = grads.get(index)
-        _register(slots, item.full)
+        item.full = nn.Parameter(value, requires_grad=item.sharded.requires_grad)
+        item.full.grad = grad_of.get(id(item))
+        item.register(item.full)
 
 
 def _unsummon(item: _SummonedParam, writeback: bool, with_grads: bool) -> None:
@@ -242,7 +229,7 @@ def _unsummon(item: _SummonedParam, writeback: bool, with_grads: bool) -> None:
             _write_to_shard(current, item.sharded)
             if with_grads and current.grad is not None and item.sharded.grad is not None:
                 _write_to_shard(current.grad, cast(DTensor, item.sharded.grad))
-    _register(item.slots, item.registered)
+    item.register(item.registered)
 
 
 @contextlib.contextmanager
@@ -252,8 +239,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     """Full parameters on the original modules inside the context, as FSDP1's static method.
 
     ``recurse=False`` summons only ``module``'s own unit (nothing when ``module`` is not a
-    wrapper). With ``rank0_only``, ranks other than 0 keep their shards. Inside, the affected
-    wrappers are in ``SUMMON_FULL_PARAMS`` (clean ``named_parameters()`` names, no forward).
+    wrapper). With ``rank0_only``, ranks other than 0 keep their shards.
     """
     own = state_of(module)
     units = units_in(module) if recurse else [own] if own is not None else []
@@ -289,16 +275,14 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
 
 
 def register_comm_hook(root: UnitState, state: object, hook: Callable[..., Any]) -> None:
-    """FSDP1's ``register_comm_hook``: ``hook`` replaces the gradient communication of every unit.
-
-    Sharded units call ``hook(state, grad, output)`` (``grad``: the unit's flat, padded local
-    gradient; ``output``: this rank's reduced chunk), ``NO_SHARD`` units ``hook(state, grad)``
-    (all-reduce in place), once per unit per synced backward. The hook does its own averaging,
-    as torch's default hooks do. Everything is checked before anything is registered.
+    """FSDP1's ``register_comm_hook``: ``hook`` replaces the gradient communication of every unit,
+    once per unit per synced backward: ``hook(state, grad, output)`` for sharded units (the unit's
+    flat, padded local gradient; this rank's reduced chunk), ``hook(state, grad)`` for ``NO_SHARD``
+    ones (all-reduce in place). The hook does its own averaging, as torch's default hooks do.
     """
     units = units_in(root.wrapper)
     # A hook registered on some ranks only would pair its collectives with the engine's default
-    # ones on the others: all ranks raise, and none registers. FSDP1's checks, order and types.
+    # ones on the others: all ranks check first, with FSDP1's checks, order and types.
     with all_ranks_agree(mesh_groups(root.device_mesh), "The register_comm_hook() arguments",
                          "no hook was registered on any rank"):
         if not root.is_root:

@@ -1,8 +1,7 @@
 """What one wrapper (one engine unit) is: every field, in one dataclass, made by the wrapper's ``__init__``.
 
-Feature modules take a :class:`UnitState` (or a root's list of them) and never the wrapper class;
-the wrapper keeps FSDP1's attribute names (``sharding_strategy``, ``_is_root``...) as properties
-over it. "Is this module a wrapper?" is asked only through :func:`state_of`.
+Feature modules take a :class:`UnitState` (or a root's list of them), never the wrapper class, and
+ask "is this module a wrapper?" only through :func:`state_of`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Public enums and configuration dataclasses, field-for-field compatible with torch FSDP1's.
-
-Our own, so that the package outlives FSDP1; torch's objects are *coerced* wherever a user passes
-them (``coerce_*``), and our enum members compare equal to (and hash like) torch's of the same name.
-"""
+"""Public enums and configuration dataclasses, field-for-field FSDP1's but our own (to outlive FSDP1):
+torch's objects are coerced wherever passed, and our enum members equal (and hash like) torch's."""
 
 from __future__ import annotations
 
@@ -36,11 +33,8 @@ class _InteroperableEnum(Enum):
 
 
 class ShardingStrategy(_InteroperableEnum):
-    """How parameters, gradients and optimizer state are sharded (see FSDP1's docs).
-
-    ``FULL_SHARD`` and ``SHARD_GRAD_OP`` shard over the whole group, ``NO_SHARD`` replicates,
-    ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` shard inside a node and replicate across nodes.
-    """
+    """How parameters, gradients and optimizer state are sharded; ``HYBRID_SHARD`` and
+    ``_HYBRID_SHARD_ZERO2`` shard inside a node and replicate across nodes (see FSDP1's docs)."""
 
     FULL_SHARD = auto()
     SHARD_GRAD_OP = auto()
@@ -186,8 +180,3 @@ def coerce_config(value: Any, expected: type[_ConfigT], argument: str) -> _Confi
         return ours(**fields)
     raise TypeError(f"{argument} must be a {expected.__name__} (from fsdp_compat or torch.distributed.fsdp); "
                     f"got {type(value).__name__}")
-
-
-def coerce_optional_config(value: Any, expected: type[_ConfigT], argument: str) -> _ConfigT | None:
-    """``coerce_config`` that lets ``None`` through."""
-    return None if value is None else coerce_config(value, expected, argument)

@@ -1,8 +1,5 @@
-"""``FullyShardedDataParallel``: torch FSDP1's public class, a thin facade over the FSDP2 engine.
-
-Each instance is one engine unit (``fully_shard``, or the engine's ``replicate`` for ``NO_SHARD``);
-nested instances become nested units, applied bottom-up. The FSDP1 extras live in feature modules.
-"""
+"""``FullyShardedDataParallel``: torch FSDP1's public class over the FSDP2 engine, one engine unit
+(``fully_shard``, or ``replicate`` for ``NO_SHARD``) per instance; the FSDP1 extras live in feature modules."""
 
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
 from ._unit_state import STATE_ATTR, UnitState, state_of, units_in
 from .api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
-                  ShardingStrategy, StateDictConfig, StateDictType, coerce_enum, coerce_optional_config)
+                  ShardingStrategy, StateDictConfig, StateDictType, coerce_config, coerce_enum)
 from .wrap import apply_wrapping, plan_wrapping
 
 # OptimStateKeyType is re-exported: FSDP1 users import it from this module too.
@@ -66,29 +63,19 @@ def _warn_about_moot_options(limit_all_gathers: bool, backward_prefetch: Backwar
                   "unit's gradient computation. Results are unchanged; only overlap differs.")
 
 
-def _strategy_for_group(requested: ShardingStrategy, mesh: DeviceMesh) -> ShardingStrategy:
-    """FSDP1's strategy for a shard group of ``mesh``'s size: ``NO_SHARD`` when that group (the
-    process group, the intra-node one for hybrid strategies) is one rank, whatever the world size,
-    since sharding over one rank replicates."""
-    return ShardingStrategy.NO_SHARD if mesh.size(mesh.ndim - 1) == 1 else requested
-
-
-def _warn_about_no_shard(requested: ShardingStrategy, strategy: ShardingStrategy, mesh: DeviceMesh) -> None:
-    """FSDP1's warnings about ``NO_SHARD`` (its texts and ``stacklevel``s), per wrapper; like FSDP1's,
-    nested wrappers made by auto-wrapping warn first. A strategy switched for a one-rank shard group
-    warns from the wrapper's ``__init__``; ``NO_SHARD`` asked for over several ranks is deprecated
-    (FSDP1 points users at DDP), from the caller of ``__init__``."""
-    if strategy != requested:
+def _warn_about_no_shard(requested: ShardingStrategy, unit: UnitState) -> None:
+    """FSDP1's ``NO_SHARD`` warnings, texts and ``stacklevel``s: one for a strategy switched for a
+    one-rank shard group, one (deprecation) for ``NO_SHARD`` asked for over several ranks."""
+    if unit.sharding_strategy != requested:
         warnings.warn(f"FSDP is switching to use `NO_SHARD` instead of {requested} since the world size is 1.",
                       stacklevel=2)
-    elif strategy == ShardingStrategy.NO_SHARD and mesh.size(mesh.ndim - 1) > 1:
+    elif requested == ShardingStrategy.NO_SHARD and unit.world_size > 1:
         warnings.warn("The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
                       "`DistributedDataParallel` instead.", FutureWarning, stacklevel=3)
 
 
 def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
-    """Wrap a submodule chosen by the auto-wrap policy, with the ignored states inside it
-    (given the way the user gave them: as modules, or as parameters)."""
+    """Wrap a submodule chosen by the auto-wrap policy, passing the ignored states inside it as given."""
     if parent.ignored_modules:
         inside = set(child.modules())
         ignored = [m for m in parent.ignored_modules if m in inside and m is not child]
@@ -147,8 +134,9 @@ class FullyShardedDataParallel(nn.Module):
             )
         strategy = coerce_enum(sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD,
                                ShardingStrategy, "sharding_strategy")
-        cpu_offload = coerce_optional_config(cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
-        mixed_precision = coerce_optional_config(mixed_precision, MixedPrecision, "mixed_precision")
+        cpu_offload = CPUOffload() if cpu_offload is None else coerce_config(cpu_offload, CPUOffload, "cpu_offload")
+        if mixed_precision is not None:
+            mixed_precision = coerce_config(mixed_precision, MixedPrecision, "mixed_precision")
         if backward_prefetch is not None:
             backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         _warn_about_moot_options(bool(limit_all_gathers), backward_prefetch)
@@ -156,7 +144,9 @@ class FullyShardedDataParallel(nn.Module):
         check_not_shared_with_another_root(module, ignored_params)
         compute_device = resolve_device(device_id, process_group)
         mesh = build_mesh(strategy, process_group, device_mesh, compute_device)
-        requested, strategy = strategy, _strategy_for_group(strategy, mesh)
+        # Sharding over a one-rank shard group (the process group, or the intra-node one for hybrid
+        # strategies) replicates: FSDP1 switches to NO_SHARD, whatever the world size.
+        requested, strategy = strategy, ShardingStrategy.NO_SHARD if mesh.size(mesh.ndim - 1) == 1 else strategy
         self.__dict__[STATE_ATTR] = state = UnitState(
             wrapper=self, sharding_strategy=strategy, cpu_offload=cpu_offload, mixed_precision=mixed_precision,
             backward_prefetch=backward_prefetch, forward_prefetch=bool(forward_prefetch),
@@ -167,13 +157,10 @@ class FullyShardedDataParallel(nn.Module):
         materializer = MetaMaterializer(compute_device, ignored_modules, param_init_fn)
         if auto_wrap_policy is not None:
             child_kwargs = dict(  # the strategy asked for: FSDP1's children each decide (and warn) themselves
-                sharding_strategy=requested, cpu_offload=cpu_offload,
-                backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
-                device_id=device_id, sync_module_states=state.sync_module_states,
+                sharding_strategy=requested, cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
+                mixed_precision=mixed_precision, device_id=device_id, sync_module_states=state.sync_module_states,
                 forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params, device_mesh=state.device_mesh,
-                param_init_fn=param_init_fn,
-            )
+                use_orig_params=use_orig_params, device_mesh=state.device_mesh, param_init_fn=param_init_fn)
             individually_wrapped = _mixed_precision.prepare_individually_wrapped(module, mixed_precision)
             targets = plan_wrapping(module, auto_wrap_policy, ignored_modules, ignored_params, child_kwargs,
                                     individually_wrapped)
@@ -182,7 +169,7 @@ class FullyShardedDataParallel(nn.Module):
             # one unit is ever unsharded.
             apply_wrapping(module, targets, functools.partial(_wrap_child, state),
                            before_visit=materializer.materialize_own_states)
-        _warn_about_no_shard(requested, strategy, state.device_mesh)
+        _warn_about_no_shard(requested, state)  # after the children's, as in FSDP1
         materializer.materialize_unit(module)
         if state.sync_module_states:
             broadcast_from_rank0(module, state.device_mesh, ignored_modules, ignored_params)

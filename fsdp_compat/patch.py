@@ -1,17 +1,11 @@
 """The one-line switch: make torch's FSDP1 names resolve to ``fsdp_compat.FullyShardedDataParallel``.
 
 Lightning, accelerate and the transformers ``Trainer`` look torch's class up and build it themselves.
-:func:`patch_torch` rebinds every reference to torch's class bound in an imported module's namespace
-or in a class defined there: ``torch.distributed.fsdp.FullyShardedDataParallel``, its defining
-module's, torch's own ``torch.distributed.checkpoint.state_dict.FSDP``, a user's earlier
-``from torch.distributed.fsdp import FullyShardedDataParallel as FSDP``. References outside torch
-are named in a warning (the switch came late: objects already built stay torch's), and so are those
-it cannot rebind (inside a tuple, list, set or dict). ``torch.distributed.fsdp.wrap`` needs no patch:
-it builds whatever ``wrapper_cls`` it is given, and our class translates its policies.
-
-While the switch is on, building torch's own class around a module holding our units raises
-``ValueError`` (the two cannot be mixed in one model); no FSDP1 code is ever run here. Lightning's
-``_has_dtensor_modules`` is patched too (see ``_lightning_dtensor_check``).
+:func:`patch_torch` rebinds every reference to torch's class in an imported module's namespace or a
+class defined there (torch's own aliases, a user's earlier ``import ... as FSDP``); references outside
+torch, and those it cannot rebind (inside containers), are named in a warning. ``fsdp.wrap`` needs no
+patch: it builds the ``wrapper_cls`` it is given. While on, building torch's class around our units
+raises ``ValueError``; no FSDP1 code runs. Lightning's ``_has_dtensor_modules`` is patched too.
 """
 
 from __future__ import annotations
@@ -46,8 +40,8 @@ def is_torch_patched() -> bool:
 def patch_torch() -> None:
     """Make torch's FSDP1 class names resolve to ``fsdp_compat.FullyShardedDataParallel``.
 
-    Call it first thing, before the framework builds a model. Idempotent: a second call only
-    rebinds references imported since the first. Undo with :func:`unpatch_torch`.
+    Call it first thing, before the framework builds a model; a second call rebinds only references
+    imported since. Undo with :func:`unpatch_torch`.
     """
     global _rebound
     _lightning_dtensor_check.patch()
@@ -112,8 +106,8 @@ def _refuse_our_units_inside(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 
 def _rebind_references() -> tuple[list[tuple[Any, str]], list[str]]:
-    """Rebind every reference to torch's class in imported modules' namespaces (and classes defined
-    there); return what was rebound and the names of containers holding it, which cannot be."""
+    """Rebind torch's class in imported modules and their classes; return what was rebound and the
+    names of containers holding it, which cannot be."""
     rebound: list[tuple[Any, str]] = []
     unreachable: list[str] = []
     for module_name, module in list(sys.modules.items()):
@@ -135,12 +129,9 @@ def _rebind_references() -> tuple[list[tuple[Any, str]], list[str]]:
 def _holds_torch_class(value: Any) -> bool:
     # Exact built-in containers only, read without calling their methods: anything else (lazy
     # mappings, module proxies) may import or warn when touched, and is not ours to inspect.
-    kind = type(value)
-    if kind is dict:
-        return any(item is TORCH_FSDP1_CLASS for item in dict.values(value))
-    if kind in (tuple, list, set, frozenset):
-        return any(item is TORCH_FSDP1_CLASS for item in value)
-    return False
+    if type(value) not in (dict, tuple, list, set, frozenset):
+        return False
+    return any(item is TORCH_FSDP1_CLASS for item in (dict.values(value) if type(value) is dict else value))
 
 
 def _owner_name(owner: Any) -> str:

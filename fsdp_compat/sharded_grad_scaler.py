@@ -30,13 +30,8 @@ __all__ = ["ShardedGradScaler"]
 class ShardedGradScaler(GradScalerBase):
     """``torch.amp.GradScaler`` whose inf/NaN verdict is agreed across ranks (FSDP1's API).
 
-    Args:
-        device: device type of the scale (``"cuda"`` by default, as in FSDP1; ``"cpu"`` for CPU
-            training).
-        init_scale, backoff_factor, growth_factor, growth_interval, enabled: as
-            ``torch.amp.GradScaler``.
-        process_group: the ranks that must agree (default: all ranks). It must contain every rank
-            that shards or replicates the model's parameters.
+    ``device``: the scale's device type (``"cuda"`` by default, as in FSDP1); ``process_group``: the
+    ranks that must agree, every rank that shards or replicates the model's parameters (default: all).
     """
 
     def __init__(
@@ -67,8 +62,8 @@ class ShardedGradScaler(GradScalerBase):
 
     def unscale_local_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                             found_inf: torch.Tensor, allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
-        """Unscale this rank's gradient shards in place; return per-device found-inf flags that
-        all hold the verdict of every rank (``allow_fp16`` is ignored, see the module docstring)."""
+        """Unscale this rank's gradient shards in place; return per-device found-inf flags, each
+        holding every rank's verdict (fp16 is always allowed)."""
         _orig_params.rebind_optimizer(optimizer)  # unscaling precedes the step's own re-pointing
         # ``found_inf`` lies where the scale does; a rank without gradients still takes part.
         flags = {found_inf.device: found_inf.clone()}

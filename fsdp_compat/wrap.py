@@ -16,30 +16,21 @@ import torch.nn as nn
 
 from . import _engine
 
-__all__ = [
-    "always_wrap_policy",
-    "lambda_auto_wrap_policy",
-    "transformer_auto_wrap_policy",
-    "size_based_auto_wrap_policy",
-    "enable_wrap",
-    "wrap",
-    "CustomPolicy",
-    "ModuleWrapPolicy",
-]
+__all__ = ["always_wrap_policy", "lambda_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "size_based_auto_wrap_policy", "enable_wrap", "wrap", "CustomPolicy", "ModuleWrapPolicy"]
 
 # A callable policy answers (module, recurse, nonwrapped_numel) -> bool, as in FSDP1.
 CallablePolicy = Callable[..., bool]
 
 
 class _Policy:
-    """Base of the object policies: ``_lambda_fn(module)`` says whether to wrap ``module``, or
-    gives a dict of constructor keyword overrides for it."""
+    """Base of the object policies: ``_lambda_fn(module)`` is whether to wrap ``module``, or a dict of
+    constructor keyword overrides for it."""
 
     _lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]
 
     def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module],
                     root_kwargs: dict[str, Any]) -> dict[nn.Module, dict[str, Any]]:
-        """Return the modules to wrap, each with its constructor keyword arguments."""
         targets: dict[nn.Module, dict[str, Any]] = {}
         for module in root_module.modules():
             if module in ignored_modules:
@@ -84,8 +75,7 @@ def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
 
 def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                             lambda_fn: Callable[[nn.Module], bool]) -> bool:
-    """Wrap the modules for which ``lambda_fn(module)`` is true (use with ``functools.partial``);
-    the class-based policies are this one with an ``isinstance`` test."""
+    """Wrap the modules for which ``lambda_fn(module)`` is true (use with ``functools.partial``)."""
     return recurse or bool(lambda_fn(module))
 
 
@@ -97,8 +87,7 @@ def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_nu
 
 def _wrap_module_cls_individually(module: nn.Module, module_classes: Iterable[type], recurse: bool,
                                   *args: Any, **kwargs: Any) -> bool:
-    """The class-based policies' one rule (FSDP1's name and signature): descend everywhere, wrap
-    instances of ``module_classes``."""
+    """The class-based policies' rule (FSDP1's name and signature): wrap instances of ``module_classes``."""
     return recurse or isinstance(module, tuple(module_classes))
 
 
@@ -163,9 +152,9 @@ def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
 def plan_wrapping(root_module: nn.Module, policy: Any, ignored_modules: set[nn.Module],
                   ignored_params: set[nn.Parameter], root_kwargs: dict[str, Any],
                   individually_wrapped_classes: tuple[type[nn.Module], ...] = ()) -> dict[nn.Module, dict[str, Any]]:
-    """Return ``{module: constructor kwargs}`` for every submodule (never the root) to wrap.
-    ``individually_wrapped_classes`` are wrapped on their own whatever the policy says (FSDP1 does
-    this for mixed precision's ``_module_classes_to_ignore``, with ``mixed_precision=None``)."""
+    """``{module: constructor kwargs}`` for every submodule (never the root) to wrap, and every
+    ``individually_wrapped_classes`` instance with ``mixed_precision=None`` (FSDP1's handling of
+    mixed precision's ``_module_classes_to_ignore``)."""
     policy = translate_policy(policy)
     root_kwargs = dict(root_kwargs, auto_wrap_policy=None)
     if isinstance(policy, _Policy):
@@ -180,8 +169,7 @@ def plan_wrapping(root_module: nn.Module, policy: Any, ignored_modules: set[nn.M
         _plan_recursive(root_module, policy, ignored_modules, ignored_params, chosen, is_root=True)
         targets = {module: dict(root_kwargs) for module in chosen}
     for module in root_module.modules():
-        if individually_wrapped_classes and isinstance(module, individually_wrapped_classes) \
-                and module not in ignored_modules:
+        if isinstance(module, individually_wrapped_classes) and module not in ignored_modules:
             targets.setdefault(module, dict(root_kwargs))["mixed_precision"] = None
     targets.pop(root_module, None)
     return targets
@@ -205,9 +193,8 @@ def _plan_recursive(module: nn.Module, policy: CallablePolicy, ignored_modules: 
 def apply_wrapping(root_module: nn.Module, targets: dict[nn.Module, dict[str, Any]],
                    wrap_function: Callable[..., nn.Module],
                    before_visit: Callable[[nn.Module], None] | None = None) -> None:
-    """Replace each target submodule, children before parents, by ``wrap_function(module, **kw)``.
-    ``before_visit`` sees every module in pre-order (the root first) before anything below it is
-    wrapped; the wrapper materialises meta-device modules there."""
+    """Replace each target submodule, children before parents, by ``wrap_function(module, **kw)``;
+    ``before_visit`` sees every module in pre-order before anything below it is wrapped."""
     visited: set[nn.Module] = {root_module}
 
     def visit(module: nn.Module) -> None:
