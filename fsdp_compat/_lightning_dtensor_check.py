@@ -64,16 +64,10 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MODULE_NAMES:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader: Any = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
+        others = (finder for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec"))
+        spec = next((spec for finder in others if (spec := finder.find_spec(fullname, path, target))), None)
+        loader: Any = spec and spec.loader
+        if not hasattr(loader, "exec_module"):
             return spec
         run_module = loader.exec_module
 

@@ -164,6 +164,18 @@ class _SummonedParam:
         for module, name in self.slots:
             _engine.register_param(module, name, param)
 
+    def restore(self, writeback: bool, with_grads: bool) -> None:
+        """Write the (possibly edited or replaced) full parameter back, then restore the shards."""
+        if writeback and self.full is not None:
+            current = getattr(*self.slots[0])  # ``fn`` in ``apply`` may have assigned a new one
+            # Only a plain tensor of the full shape can be written back.
+            if (isinstance(current, torch.Tensor) and not isinstance(current, DTensor)
+                    and current.shape == self.sharded.shape):
+                _write_to_shard(current, self.sharded)
+                if with_grads and current.grad is not None and self.sharded.grad is not None:
+                    _write_to_shard(current.grad, cast(DTensor, self.sharded.grad))
+        self.register(self.registered)
+
 
 @torch.no_grad()
 def _write_to_shard(full: torch.Tensor, sharded: DTensor) -> None:
@@ -219,19 +231,6 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
         item.register(item.full)
 
 
-def _unsummon(item: _SummonedParam, writeback: bool, with_grads: bool) -> None:
-    """Write the (possibly edited or replaced) full parameter back, then restore the shards."""
-    if writeback and item.full is not None:
-        current = getattr(*item.slots[0])  # ``fn`` in ``apply`` may have assigned a new one
-        # Only a plain tensor of the full shape can be written back.
-        if (isinstance(current, torch.Tensor) and not isinstance(current, DTensor)
-                and current.shape == item.sharded.shape):
-            _write_to_shard(current, item.sharded)
-            if with_grads and current.grad is not None and item.sharded.grad is not None:
-                _write_to_shard(current.grad, cast(DTensor, item.sharded.grad))
-    item.register(item.registered)
-
-
 @contextlib.contextmanager
 def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
                        rank0_only: bool = False, offload_to_cpu: bool = False,
@@ -269,7 +268,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             yield
     finally:
         for item in summoned:
-            _unsummon(item, writeback, with_grads)
+            item.restore(writeback, with_grads)
         for unit in units:
             unit.training_state = TrainingState.IDLE
 

@@ -45,17 +45,16 @@ def patch_torch() -> None:
     """
     global _rebound
     _lightning_dtensor_check.patch()
+    if TORCH_FSDP1_CLASS is None:  # torch dropped FSDP1: frameworks still look the name up here
+        if _rebound is None:
+            _rebound = [(torch.distributed.fsdp, "FullyShardedDataParallel")]
+            torch.distributed.fsdp.FullyShardedDataParallel = FullyShardedDataParallel  # type: ignore[misc, assignment]
+        return
     if _rebound is None:
         _rebound = []
-        if TORCH_FSDP1_CLASS is None:  # torch dropped FSDP1: frameworks still look the name up here
-            _rebound.append((torch.distributed.fsdp, "FullyShardedDataParallel"))
-            torch.distributed.fsdp.FullyShardedDataParallel = FullyShardedDataParallel  # type: ignore[misc, assignment]
-            return
         # Installed once and left in place, inactive while the switch is off: CPython cannot
         # delete a class's __new__ cleanly (object.__new__ then rejects the constructor's arguments).
         TORCH_FSDP1_CLASS.__new__ = staticmethod(_refuse_our_units_inside)  # type: ignore[method-assign, assignment]
-    if TORCH_FSDP1_CLASS is None:
-        return
     rebound, unreachable = _rebind_references()
     _rebound.extend(rebound)
     _warn_about_late_references(rebound, unreachable)
