@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # FSDP1's ``MixedPrecision._module_classes_to_ignore`` default: every batch norm (torch's public
