@@ -431,13 +431,10 @@ def _install_distributed_checkpoint_interop() -> bool:
     """Wrap ``dsd._verify_options`` and ``dsd._get_fqns`` once; ``False`` when torch lacks them."""
     try:
         from torch.distributed.checkpoint import state_dict as dsd
-    except ImportError:  # pragma: no cover - depends on the torch build
+        verify_options, get_fqns, info_class = dsd._verify_options, dsd._get_fqns, dsd._StateDictInfo
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the torch version
         return False
-    verify_options = getattr(dsd, "_verify_options", None)
-    get_fqns = getattr(dsd, "_get_fqns", None)
-    info_class = getattr(dsd, "_StateDictInfo", None)
-    if (verify_options is None or get_fqns is None or info_class is None
-            or "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}):
+    if "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}:
         return False
     if getattr(verify_options, _INTEROP_MARK, False):
         return True

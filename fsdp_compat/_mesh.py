@@ -65,8 +65,8 @@ def build_mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: Devi
 
 
 def flatten_to_1d(mesh: DeviceMesh) -> DeviceMesh:
-    """A 1-D mesh over all ranks of ``mesh`` (used when a unit's strategy needs no 2-D layout)."""
-    return mesh if mesh.ndim == 1 else _cached(("flat", mesh), lambda: flatten_mesh(mesh))
+    """A 1-D mesh over all ranks of ``mesh`` (torch caches it on the mesh)."""
+    return mesh if mesh.ndim == 1 else flatten_mesh(mesh)
 
 
 def _check_given_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:

@@ -49,9 +49,7 @@ def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolic
 
 def engine_offload_policy(cpu_offload: CPUOffload, device: torch.device) -> OffloadPolicy:
     """The engine's offload policy; pinned host memory only helps (and only works) with a GPU."""
-    if not cpu_offload.offload_params:
-        return OffloadPolicy()
-    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload.offload_params else OffloadPolicy()
 
 
 # Input dtype of each overridden module's last forward, to cast its outputs back (as FSDP1).
@@ -155,9 +153,8 @@ def _install_low_precision_grad_hooks(unit: UnitState) -> None:
     if policy is None or not policy.keep_low_precision_grads or policy.param_dtype is None:
         return
     for param in _engine.sharded_params(unit.module):
-        if not (param.requires_grad and param.is_floating_point()):
-            continue
-        if getattr(param, _LOW_PRECISION_GRAD_MARK, None) == policy.param_dtype:
+        if (not (param.requires_grad and param.is_floating_point())
+                or getattr(param, _LOW_PRECISION_GRAD_MARK, None) == policy.param_dtype):
             continue
         param.grad_dtype = None  # allow a .grad whose dtype differs from the parameter's
         param.register_post_accumulate_grad_hook(
