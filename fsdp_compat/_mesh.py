@@ -32,9 +32,7 @@ def _cached(key: tuple[Any, ...], build: Callable[[], DeviceMesh]) -> DeviceMesh
 def resolve_device(device_id: int | torch.device | None, process_group: Any) -> torch.device:
     """The compute device: ``device_id`` if given, else what the process group's backend drives."""
     if device_id is not None:
-        if isinstance(device_id, int):
-            return torch.device("cuda", device_id)
-        device = torch.device(device_id)
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device

@@ -69,12 +69,12 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 continue
             params[index] = current
             if param in optimizer.state:
-                optimizer.state[current] = _moved_state(optimizer.state.pop(param), param, current)
+                optimizer.state[current] = _moved_state(optimizer.state.pop(param), current)
     _checked[optimizer] = _generation
 
 
-def _moved_state(state: dict[str, Any], old: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
-    """``old``'s state (an optimizer stepped before wrapping) in ``new``'s layout: per-element
+def _moved_state(state: dict[str, Any], new: torch.Tensor) -> dict[str, Any]:
+    """A replaced parameter's state (stepped before wrapping) in ``new``'s layout: per-element
     tensors cut to this rank's shard (no communication), the rest kept."""
     if not isinstance(new, DTensor):
         return state
