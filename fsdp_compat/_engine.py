@@ -1,9 +1,5 @@
-"""The one place that talks to torch's FSDP2 engine.
-
-Everything here may depend on FSDP2 internals (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam`` and
-their private attributes). The rest of the package goes through these functions, so a torch
-upgrade that moves the internals breaks this file only.
-"""
+"""The one place that uses torch-private names (FSDP2's internals and a few others), so a torch
+upgrade that moves them breaks this file only."""
 
 from __future__ import annotations
 
@@ -22,11 +18,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-
-# Torch-private names outside FSDP2 (see the last section).
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.module import _IncompatibleKeys
+
+# FSDP1's ``MixedPrecision._module_classes_to_ignore`` default: every batch norm (torch's public
+# ones, users' own) derives from it, so only this base class matches what FSDP1 matches.
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401 (re-exported)
+
+# What ``nn.Module.load_state_dict`` returns (a named tuple of missing and unexpected keys).
+from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys  # noqa: F401 (re-exported)
 
 # ---- torch versions: the tested range, and the engine pieces this adapter needs ----
 
@@ -70,7 +69,7 @@ try:
 
     # Runtime-control internals (comm hooks, summon_full_params, recovery): private engine pieces.
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, _from_local_no_grad
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, unsafe_setattr_param
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -94,9 +93,8 @@ except ImportError:  # pragma: no cover - depends on the torch version
 def apply_engine(module: nn.Module, *, mesh: DeviceMesh, replicate_only: bool, reshard_after_forward: bool | None,
                  mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
                  ignored_params: set[nn.Parameter]) -> FSDPModule:
-    """Make ``module`` one engine unit (one parameter group) over ``mesh``: the engine's
-    ``replicate`` (all-reduce, no sharding) for ``NO_SHARD``, else ``fully_shard``.
-    ``reshard_after_forward=None`` lets the engine decide: resharded unless it is the root."""
+    """Make ``module`` one engine unit (one parameter group) over ``mesh``: ``replicate`` for
+    ``NO_SHARD``, else ``fully_shard`` (``reshard_after_forward=None``: all but the root reshard)."""
     unit: FSDPModule
     if replicate_only:
         unit = replicate(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
@@ -110,24 +108,14 @@ def apply_engine(module: nn.Module, *, mesh: DeviceMesh, replicate_only: bool, r
     return unit
 
 
-# ---- gradient accumulation dtype: FSDP1's, on every torch ----
-#
-# FSDP1 accumulates unreduced (``no_sync``) gradients in the compute dtype and casts to
-# ``reduce_dtype`` only to reduce. The engine derives each parameter's accumulation dtype from
-# ``FSDPParam.reduce_dtype`` (torch < 2.15: ``unsharded_accumulated_grad``'s dtype; 2.15: the
-# unsharded parameter's ``grad_dtype``, upcast for those in ``_fsdp_params_with_wider_grad_dtype``),
-# re-derived in ``FSDPParamGroup._init_mp_dtypes``. Right after it, we make that dtype the compute
-# dtype while the group keeps reducing in ``reduce_dtype`` (its copy into the reduce buffer casts).
-# No public setter reaches these dtypes.
-
-_ACCUMULATION_MARK = "_fsdp_compat_accumulates_in_compute_dtype"
-
-
 def _accumulate_in_compute_dtype(group: FSDPParamGroup) -> None:
-    """Make ``group`` accumulate unreduced gradients in the compute dtype from now on (idempotent)."""
+    """Make ``group`` accumulate unreduced (``no_sync``) gradients in the compute dtype, as FSDP1,
+    which casts to ``reduce_dtype`` only to reduce. The engine derives the accumulation dtype from
+    ``FSDPParam.reduce_dtype`` (torch < 2.15: ``unsharded_accumulated_grad``'s dtype; 2.15: the
+    unsharded parameter's ``grad_dtype``, upcast for ``_fsdp_params_with_wider_grad_dtype``) in
+    ``_init_mp_dtypes``; right after it we set the compute dtype, and the group still reduces in
+    ``reduce_dtype`` (its copy into the reduce buffer casts). No public setter reaches these."""
     init_mp_dtypes = group._init_mp_dtypes
-    if getattr(init_mp_dtypes, _ACCUMULATION_MARK, False):
-        return
 
     @functools.wraps(init_mp_dtypes)
     def init_mp_dtypes_then_compute_dtype_accumulation() -> None:
@@ -147,7 +135,6 @@ def _accumulate_in_compute_dtype(group: FSDPParamGroup) -> None:
             group._fsdp_params_with_wider_grad_dtype = [  # type: ignore[attr-defined]
                 p for p in wider if id(p) not in changed]
 
-    setattr(init_mp_dtypes_then_compute_dtype_accumulation, _ACCUMULATION_MARK, True)
     group._init_mp_dtypes = init_mp_dtypes_then_compute_dtype_accumulation  # type: ignore[method-assign]
 
 
@@ -180,10 +167,9 @@ def sharded_params(module: nn.Module) -> list[DTensor]:
 
 @torch.no_grad()
 def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
-    """Re-type the unit's floating-point sharded parameters (and their gradients) to ``dtype``.
-    Each ``nn.Parameter`` keeps its identity (``swap_tensors``, as ``nn.Module.to`` does), so
-    optimizers holding it stay valid. Callers must reject units that already ran forward
-    (all-gather buffers are sized for the old dtype)."""
+    """Re-type the unit's floating-point sharded parameters (and gradients) to ``dtype``, each
+    ``nn.Parameter`` keeping its identity (``swap_tensors``, as ``nn.Module.to``). Callers reject
+    units that already ran forward (all-gather buffers are sized for the old dtype)."""
     for fsdp_param in managed_params(module):
         param = fsdp_param.sharded_param
         if param.dtype == dtype or not param.is_floating_point():
@@ -193,8 +179,7 @@ def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
         fsdp_param.reset_sharded_param()
         if grad is not None:
             param.grad = grad.to(dtype)
-    # Lazy init is still to come (callers check) and re-runs this with what depends on it; this
-    # call keeps the dtypes right for anything read in between.
+    # Lazy init (still to come) re-runs this; meanwhile the dtypes must be right for readers.
     for group in param_groups(module):
         group._init_mp_dtypes()
 
@@ -208,9 +193,8 @@ def gradient_sync_flags(module: nn.Module) -> list[tuple[bool, bool]]:
 
 
 def set_gradient_sync_flags(module: nn.Module, flags: list[tuple[bool, bool]]) -> None:
-    """Restore what :func:`gradient_sync_flags` returned (both flags: HSDP and ``replicate`` need
-    ``all_reduce_grads`` back, or their gradients are never written), through the engine's public
-    setters. A unit here has one parameter group (no ``shard_placement_fn``): one pair of flags."""
+    """Restore what :func:`gradient_sync_flags` returned, both flags (HSDP and ``replicate`` need
+    ``all_reduce_grads`` back, or their gradients are never written). A unit has one group here."""
     if isinstance(module, FSDPModule) and flags:
         reduce_grads, all_reduce_grads = flags[0]
         module.set_requires_gradient_sync(reduce_grads, recurse=False)
@@ -238,29 +222,22 @@ def register_param(module: nn.Module, name: str, param: nn.Parameter | DTensor) 
 
 @contextlib.contextmanager
 def forward_hooks_suspended(module: nn.Module) -> Iterator[None]:
-    """The engine's forward hooks of the unit ``module`` replaced, in place, by no-ops for the
-    duration. Inside ``summon_full_params`` a forward must run on the summoned full parameters in
-    their own precision, as FSDP1 does: the engine's hooks would cast the inputs to ``param_dtype``,
-    all-gather low-precision parameters over the summoned ones and reshard them. The hook dicts are
-    ``nn.Module``'s; ``fully_shard`` keeps no public way to disable its hooks."""
+    """The engine's forward hooks of the unit ``module`` made no-ops, in place, for the duration:
+    inside ``summon_full_params`` a forward runs on the full parameters in their own precision, as
+    in FSDP1, where the hooks would cast inputs and all-gather over them. No public way exists."""
     state = engine_state(module)
-    handles = [] if state is None else [getattr(state, name, None) for name in
-                                        ("_pre_forward_hook_handle", "_post_forward_hook_handle")]
     taken = []
-    for handle in handles:  # grouped units (several modules) use another handle type: left alone
+    for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
+        handle: Any = getattr(state, name, None)  # grouped units use another handle type: left alone
         hooks = getattr(handle, "hooks_dict_ref", lambda: None)()
-        if handle is not None and hooks is not None and handle.id in hooks:
+        if hooks is not None and handle.id in hooks:
             taken.append((hooks, handle.id, hooks[handle.id]))
-            hooks[handle.id] = _no_op_hook  # same key: the hook keeps its place among the others
+            hooks[handle.id] = lambda *args, **kwargs: None  # same key: keeps its place in the order
     try:
         yield
     finally:
         for hooks, hook_id, hook in taken:
             hooks[hook_id] = hook
-
-
-def _no_op_hook(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def iteration_in_progress(module: nn.Module) -> bool:
@@ -279,17 +256,15 @@ def iteration_in_progress(module: nn.Module) -> bool:
 
 def recover_interrupted_iteration(module: nn.Module) -> bool:
     """If a forward or backward of the root unit ``module`` raised midway, reset the engine's
-    per-iteration state and drop the interrupted iteration's unreduced gradients (which the next
-    backward would otherwise add to); return whether there was anything to recover. Not while
-    autograd runs: a root forward inside backward is activation-checkpoint recompute."""
+    per-iteration state and drop that iteration's unreduced gradients; return whether it did. Not
+    while autograd runs: a root forward inside backward is activation-checkpoint recompute."""
     state = engine_state(module)
     if (state is None or state._is_root is not True or torch._C._current_graph_task_id() != -1
             or not iteration_in_progress(module)):
         return False
     fsdp_params = [fsdp_param for unit_state in state._state_ctx.all_states
                    for group in unit_state._fsdp_param_groups for fsdp_param in group.fsdp_params]
-    # Gradients already reduced stay until ``zero_grad()`` (the engine from torch 2.15 drops
-    # them on reset, earlier ones keep them: same behaviour on every torch).
+    # Reduced gradients stay until ``zero_grad()`` (2.15's reset drops them, earlier ones don't).
     reduced = [(fsdp_param.sharded_param, fsdp_param.sharded_param.grad) for fsdp_param in fsdp_params]
     cast(FSDPModule, module).reset_iter_state()
     # torch < 2.15 may keep ``no_sync`` accumulation apart from ``.grad``; from 2.15
@@ -306,9 +281,9 @@ def recover_interrupted_iteration(module: nn.Module) -> bool:
 
 
 class _CommHookReduceScatter(ReduceScatter):
-    """Runs an FSDP1 comm hook ``hook(state, grad, output)`` in place of the reduce-scatter:
-    ``grad`` is the unit's flat gradient, chunk ``r`` of it rank ``r``'s, ``output`` this rank's
-    reduced chunk, FSDP1's flat-parameter contract, so FSDP1's hooks work unchanged."""
+    """Runs an FSDP1 comm hook ``hook(state, grad, output)`` as the reduce-scatter, with FSDP1's
+    flat-parameter contract: ``grad`` the unit's flat gradient (chunk ``r`` rank ``r``'s),
+    ``output`` this rank's reduced chunk."""
 
     def __init__(self, hook: Callable[..., Any], state: object) -> None:
         self._hook = hook
@@ -322,18 +297,10 @@ class _CommHookReduceScatter(ReduceScatter):
         self._hook(self._state, input_tensor, output_tensor)
 
 
-_this_rank_group: tuple[Any, dist.ProcessGroup | None] = (None, None)  # (default group it was made in, it)
-
-
-def _group_of_this_rank_only() -> dist.ProcessGroup | None:
-    """A one-rank process group: the engine's own all-reduce over it is a no-op. Made once per
-    default process group (a re-initialised world gets a new one)."""
-    global _this_rank_group
-    world, group = _this_rank_group
-    if world is not dist.group.WORLD:
-        group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-        _this_rank_group = (dist.group.WORLD, group)
-    return group
+@functools.lru_cache(maxsize=1)
+def _group_of_this_rank_only(world: Any) -> dist.ProcessGroup | None:
+    """A one-rank process group (an all-reduce over it is a no-op), made once per default group."""
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 def install_comm_hook(module: nn.Module, hook: Callable[..., Any], state: object) -> None:
@@ -353,28 +320,20 @@ def install_comm_hook(module: nn.Module, hook: Callable[..., Any], state: object
     # all-reduce at a one-rank group and let the FSDP1 hook be the real communication.
     for group in groups:
         mesh_info: Any = copy.copy(group.mesh_info)
-        mesh_info.replicate_process_group = _group_of_this_rank_only()
+        mesh_info.replicate_process_group = _group_of_this_rank_only(dist.group.WORLD)
         group.mesh_info = mesh_info
     unit.set_all_reduce_hook(functools.partial(hook, state))
 
 
 def engine_module(module: nn.Module) -> nn.Module:
-    """The engine unit a wrapper holds: ``wrapper.module`` itself, or the module inside the
-    activation-checkpoint wrappers that ``apply_activation_checkpointing`` put around it after
-    wrapping (FSDP1 recipes do this); the engine's state lives on the inner module."""
+    """The engine unit a wrapper holds: ``wrapper.module``, or the module inside activation-
+    checkpoint wrappers put around it after wrapping (FSDP1 recipes do this)."""
     while not isinstance(module, FSDPModule) and hasattr(module, "_checkpoint_wrapped_module"):
         module = cast(nn.Module, module._checkpoint_wrapped_module)
     return module
 
 
 # ---- torch-private names outside FSDP2, each with why no public API serves ----
-
-# FSDP1's ``MixedPrecision._module_classes_to_ignore`` default: every batch norm (torch's public
-# ones, users' own) derives from it, so only this base class matches what FSDP1 matches.
-BatchNormBase = _BatchNorm
-
-# What ``nn.Module.load_state_dict`` returns (a named tuple of missing and unexpected keys).
-IncompatibleKeys = _IncompatibleKeys
 
 
 def torch_wrap_policy_argument(policy: Any) -> Any:
@@ -395,8 +354,7 @@ def flatten_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def local_shape_and_offset(like: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shape and global offset of ``like``'s local shard on this rank (uneven, empty included).
-    Public ``distribute_tensor`` finds the same slice but first moves the whole tensor to the
-    mesh's device; callers copy only this rank's slice, wherever the shard lives (CPU offload)."""
+    ``distribute_tensor`` would first move the whole tensor to the mesh's device (CPU offload)."""
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
     return tuple(shape), tuple(offset)
 
@@ -413,14 +371,13 @@ def registered_child(module: nn.Module, name: str) -> nn.Module | None:
 
 
 def sparse_values(grad: torch.Tensor) -> torch.Tensor:
-    """The values of a sparse ``grad`` whether or not it is coalesced (public ``values()``
-    requires coalesced; torch's own scalers read these)."""
+    """A sparse ``grad``'s values, coalesced or not (public ``values()`` requires coalesced)."""
     return grad._values()
 
 
 class GradScalerBase(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` with the private pieces a sharded scaler needs given public names:
-    ``unscale_local_grads`` replaces the base class's ``_unscale_grads_`` (default: the same)."""
+    """``torch.amp.GradScaler`` whose private ``_unscale_grads_`` a subclass overrides as
+    ``unscale_local_grads``."""
 
     def unscale_local_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                             found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
@@ -434,21 +391,19 @@ class GradScalerBase(torch.amp.GradScaler):
     @staticmethod
     def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
                            inv_scale: torch.Tensor) -> None:
-        """Multiply ``grads`` (one device and dtype) by ``inv_scale`` in place; set ``found_inf``
-        to 1 if any holds inf/NaN (torch's fused kernel; no public entry point)."""
+        """``grads`` (one device and dtype) times ``inv_scale`` in place; ``found_inf`` set to 1
+        on any inf/NaN (torch's fused kernel; no public entry point)."""
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
 # ---- torch.distributed.checkpoint.state_dict interop ----
 #
 # torch's ``get_state_dict`` / ``set_state_dict`` family (``dsd``) recognises FSDP1 only by its
-# class: it sets FSDP1's state-dict type from the call's ``StateDictOptions`` (through
-# ``_StateDictInfo.fsdp_context``) and drops ``_fsdp_wrapped_module.`` from names (``_get_fqns``).
-# Nothing public lets another class take part (``_fqn_modifiers`` renames model entries only, not
-# optimizer ones; torch 2.13 and 2.15), so two private functions are wrapped once, at import:
-# ``_verify_options``, whose ``fsdp_context`` then also publishes the call's options while the
-# model's ``state_dict`` / ``load_state_dict`` runs (:func:`distributed_checkpoint_request`), and
-# ``_get_fqns``, whose names through a wrapper then lose the wrapper segment, as FSDP1's.
+# class (it sets FSDP1's state-dict type in ``_StateDictInfo.fsdp_context`` and drops
+# ``_fsdp_wrapped_module.`` in ``_get_fqns``); nothing public lets another class take part
+# (``_fqn_modifiers`` renames model entries only, not optimizer ones). So, at import, we wrap
+# ``_verify_options`` (its ``fsdp_context`` then also publishes the call's options:
+# :func:`distributed_checkpoint_request`) and ``_get_fqns`` (names lose the wrapper segment).
 # ``tests/test_dcp_state_dict_api.py`` fails loudly when a torch upgrade moves them.
 
 _WRAPPER_SEGMENT = "_fsdp_wrapped_module"
@@ -458,8 +413,7 @@ _dcp_request: contextvars.ContextVar[Any | None] = contextvars.ContextVar("fsdp_
 
 
 def distributed_checkpoint_request() -> Any | None:
-    """The ``StateDictOptions`` of the ``torch.distributed.checkpoint.state_dict`` call that is
-    running the model's ``state_dict`` / ``load_state_dict`` now, or ``None``."""
+    """The ``StateDictOptions`` of the ``dsd`` call running the model's (load_)state_dict now, or ``None``."""
     return _dcp_request.get()
 
 
@@ -474,19 +428,15 @@ def _publishing(options: Any, inner: Callable[[], Any]) -> Iterator[None]:
 
 
 def _install_distributed_checkpoint_interop() -> bool:
-    """Wrap ``dsd._verify_options`` and ``dsd._get_fqns`` (idempotent). ``False`` when torch no
-    longer has what this relies on."""
+    """Wrap ``dsd._verify_options`` and ``dsd._get_fqns`` once; ``False`` when torch lacks them."""
     try:
         from torch.distributed.checkpoint import state_dict as dsd
-    except ImportError:  # pragma: no cover - depends on the torch build
+        verify_options, get_fqns, info_class = dsd._verify_options, dsd._get_fqns, dsd._StateDictInfo
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the torch version
         return False
-    verify_options = getattr(dsd, "_verify_options", None)
-    get_fqns = getattr(dsd, "_get_fqns", None)
-    info_class = getattr(dsd, "_StateDictInfo", None)
-    if (verify_options is None or get_fqns is None or info_class is None
-            or "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}):
+    if "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}:
         return False
-    if getattr(verify_options, _INTEROP_MARK, False) and getattr(get_fqns, _INTEROP_MARK, False):
+    if getattr(verify_options, _INTEROP_MARK, False):
         return True
 
     @functools.wraps(verify_options)
@@ -502,8 +452,8 @@ def _install_distributed_checkpoint_interop() -> bool:
             return fqns
         return {".".join(part for part in fqn.split(".") if part != _WRAPPER_SEGMENT) for fqn in fqns}
 
-    setattr(verify_options_publishing, _INTEROP_MARK, True)
-    setattr(get_fqns_without_wrappers, _INTEROP_MARK, True)
+    for wrapped in (verify_options_publishing, get_fqns_without_wrappers):
+        setattr(wrapped, _INTEROP_MARK, True)
     dsd._verify_options = verify_options_publishing
     dsd._get_fqns = get_fqns_without_wrappers
     return True
@@ -518,22 +468,18 @@ def local_tensor(value: DTensor) -> torch.Tensor:
     return value._local_tensor
 
 
-# DTensor's constructor is ``Tensor._dtensor__new__`` (C++) followed by a Python ``__init__`` that
-# only calls ``super().__init__()`` but sits behind dynamo-disabling wrappers: 2-5 us a tensor,
-# twice the rest of building one. Calling the constructor proper skips that, where it is DTensor's.
+# DTensor's C++ constructor proper, where it is DTensor's ``__new__`` (torch 2.13 and 2.15): its
+# Python ``__init__`` only sits behind dynamo-disabling wrappers (2-5 us a tensor).
 _DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
-if _DTENSOR_NEW is not None and DTensor.__dict__.get("__new__") is not _DTENSOR_NEW:
+if DTensor.__dict__.get("__new__") is not _DTENSOR_NEW:
     _DTENSOR_NEW = None
 
 
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
-    """``local`` as this rank's piece of a DTensor laid out exactly as ``like`` (no copy).
-    The engine's no-grad constructor reuses ``like``'s spec: no autograd node, no spec rebuilt
-    (``DTensor.from_local`` costs ~4x as much, which dominates loading many small optimizer-state
-    tensors). A different dtype needs its own spec."""
-    if local.dtype == like.dtype and not local.requires_grad:
-        if _DTENSOR_NEW is not None:
-            return _DTENSOR_NEW(DTensor, local, like._spec, requires_grad=False)
-        return _from_local_no_grad(local, like._spec)
+    """``local`` as this rank's piece of a DTensor laid out exactly as ``like`` (no copy). Reusing
+    ``like``'s spec (same dtype) builds no autograd node and no spec: ``DTensor.from_local`` costs
+    ~4x as much, which dominates loading many small optimizer-state tensors."""
+    if _DTENSOR_NEW is not None and local.dtype == like.dtype and not local.requires_grad:
+        return _DTENSOR_NEW(DTensor, local, like._spec, requires_grad=False)
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())

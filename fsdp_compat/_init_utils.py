@@ -23,10 +23,8 @@ def check_module(module: Any) -> None:
                              "the model (or submodule) to shard as the first argument")
 
 
-# The unit that sharded each parameter, by the parameter's id, to recognise one a second root
-# would shard again. The parameter itself is never referenced, not even weakly: a weak reference
-# would make ``torch.utils.swap_tensors`` refuse it (the mixed-precision re-typing path). A stale
-# id is harmless: the check confirms the parameter is still one of that unit's.
+# The unit that sharded each parameter, by the parameter's id (a weak reference would make
+# ``swap_tensors`` refuse the parameter; a stale id is harmless: the check confirms the parameter).
 _sharding_unit: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 
 
@@ -35,18 +33,14 @@ def remember_sharded(unit: nn.Module) -> None:
     _sharding_unit.update((id(param), unit) for param in _engine.sharded_params(unit))
 
 
-def _sharded_by_a_unit(param: nn.Parameter) -> bool:
-    unit = _sharding_unit.get(id(param))
-    return unit is not None and any(sharded is param for sharded in _engine.sharded_params(unit))
-
-
 def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn.Parameter]) -> None:
-    """Refuse, before anything is touched, a parameter already sharded by another root's unit:
-    the engine would take its ``DTensor`` for a tensor-parallel one and fail deep inside.
-    Parameters of units nested in ``module`` (manual nesting) are this root's own."""
+    """Refuse, before anything is touched, a parameter already sharded by another root's unit (the
+    engine would take it for tensor-parallel and fail deep inside); nested units' are this root's."""
     nested = {id(param) for sub in module.modules() if state_of(sub) is not None for param in sub.parameters()}
     for name, param in module.named_parameters():
-        if id(param) not in nested and _sharded_by_a_unit(param) and param not in ignored_params:
+        unit = _sharding_unit.get(id(param))
+        if unit is not None and id(param) not in nested and param not in ignored_params and any(
+                sharded is param for sharded in _engine.sharded_params(unit)):
             raise ValueError(
                 f"Parameter {name!r} is already sharded by another FullyShardedDataParallel root: "
                 "one parameter cannot be sharded by two separately wrapped roots. Wrap a common "
@@ -106,8 +100,7 @@ def resolve_ignored_states(module: nn.Module, ignored_modules: Iterable[nn.Modul
 
 
 def unit_modules(root: nn.Module, ignored_modules: set[nn.Module], breadth_first: bool = False) -> list[nn.Module]:
-    """The modules of ``root``'s unit: ``root`` and its descendants, stopping at nested wrappers
-    (they are units of their own) and at ignored modules."""
+    """``root`` and its descendants, stopping at nested wrappers and ignored modules."""
     order: list[nn.Module] = []
     pending = [root]
     while pending:
@@ -120,14 +113,12 @@ def unit_modules(root: nn.Module, ignored_modules: set[nn.Module], breadth_first
 
 
 class MetaMaterializer:
-    """Gives meta-device modules real storage and initial values, one module at a time.
+    """Gives meta-device modules real storage and initial values.
 
     Without ``param_init_fn``, each module's own meta tensors get storage on ``device`` and its
     ``reset_parameters()`` runs, in pre-order (eager construction's order: the same seed gives the
-    same values); a tied tensor stays tied and keeps its first owner's value. The wrapper feeds
-    modules while it shards unit by unit, so at most one unit beyond the root's own states is
-    unsharded. With ``param_init_fn`` (FSDP1's semantics) it is called on every module of a unit,
-    breadth-first, when that unit is built.
+    same values); a tied tensor keeps its first owner's value. With ``param_init_fn`` (FSDP1's
+    semantics) it runs on every module of a unit, breadth-first, when that unit is built.
     """
 
     def __init__(self, device: torch.device, ignored_modules: set[nn.Module],
@@ -173,14 +164,13 @@ class MetaMaterializer:
 
     def materialize_unit(self, root: nn.Module) -> None:
         """Materialise whatever of ``root``'s unit is still on the meta device."""
-        if not any(t.is_meta for m in unit_modules(root, self.ignored_modules) for t in _own_tensors(m)):
-            return
-        if self.param_init_fn is not None:
-            for module in unit_modules(root, self.ignored_modules, breadth_first=True):
+        modules = unit_modules(root, self.ignored_modules, breadth_first=self.param_init_fn is not None)
+        if self.param_init_fn is None:
+            for module in modules:
+                self.materialize_own_states(module)
+        elif any(t.is_meta for m in modules for t in _own_tensors(m)):
+            for module in modules:
                 self.param_init_fn(module)
-            return
-        for module in unit_modules(root, self.ignored_modules):
-            self.materialize_own_states(module)
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -190,8 +180,8 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 @torch.no_grad()
 def broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored_modules: set[nn.Module],
                          ignored_params: set[nn.Parameter]) -> None:
-    """``sync_module_states``: give every rank mesh-rank 0's parameters and buffers of this unit
-    (nested units synced theirs before they were sharded). Works on CPU with gloo, unlike FSDP1."""
+    """``sync_module_states``: every rank gets mesh-rank 0's parameters and buffers of this unit
+    (nested units synced before they were sharded). Works on CPU with gloo, unlike FSDP1."""
     tensors = [t.data if isinstance(t, nn.Parameter) else t
                for m in unit_modules(module, ignored_modules) for t in _own_tensors(m)
                if t not in ignored_params and not isinstance(t, DTensor)]

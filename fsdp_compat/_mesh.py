@@ -32,9 +32,7 @@ def _cached(key: tuple[Any, ...], build: Callable[[], DeviceMesh]) -> DeviceMesh
 def resolve_device(device_id: int | torch.device | None, process_group: Any) -> torch.device:
     """The compute device: ``device_id`` if given, else what the process group's backend drives."""
     if device_id is not None:
-        if isinstance(device_id, int):
-            return torch.device("cuda", device_id)
-        device = torch.device(device_id)
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
@@ -65,48 +63,41 @@ def build_mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: Devi
 
 
 def flatten_to_1d(mesh: DeviceMesh) -> DeviceMesh:
-    """A 1-D mesh over all ranks of ``mesh`` (used when a unit's strategy needs no 2-D layout)."""
-    return mesh if mesh.ndim == 1 else _cached(("flat", mesh), lambda: flatten_mesh(mesh))
+    """A 1-D mesh over all ranks of ``mesh`` (torch caches it on the mesh)."""
+    return mesh if mesh.ndim == 1 else flatten_mesh(mesh)
 
 
 def _check_given_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
-    if hybrid and mesh.ndim != 2:
-        raise ValueError(f"Expected device_mesh to have ndim=2 but got {mesh.ndim}; hybrid sharding needs a 2-D "
-                         "mesh (replicate, shard), e.g. init_device_mesh(device, (num_nodes, ranks_per_node), "
-                         "mesh_dim_names=('replicate', 'shard'))")
-    if not hybrid and mesh.ndim != 1:
-        raise ValueError(f"Expected device_mesh to have ndim=1 but got {mesh.ndim}; only hybrid strategies take "
-                         "a 2-D mesh")
+    if mesh.ndim != (2 if hybrid else 1):
+        hint = ("hybrid sharding needs a 2-D mesh (replicate, shard), e.g. init_device_mesh(device, (num_nodes, "
+                "ranks_per_node), mesh_dim_names=('replicate', 'shard'))" if hybrid else
+                "only hybrid strategies take a 2-D mesh")
+        raise ValueError(f"Expected device_mesh to have ndim={2 if hybrid else 1} but got {mesh.ndim}; {hint}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         return _cached(("named", mesh), lambda: DeviceMesh(mesh.device_type, mesh.mesh,
                                                            mesh_dim_names=MESH_DIM_NAMES_2D))
     return mesh
 
 
-def _ranks_per_node(world_size: int) -> int:
-    """Shard-group size for automatic hybrid sharding: the ranks of one node."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    if local <= 0 and torch.cuda.is_available():
-        local = torch.cuda.device_count()
-    if local <= 0 or world_size % local != 0:
-        local = world_size  # one node: hybrid degenerates to full sharding within it
-    return local
-
-
 def _default_hybrid_mesh(device_type: str) -> DeviceMesh:
+    """Shard within a node (``LOCAL_WORLD_SIZE`` ranks, else one per GPU), replicate across nodes."""
     world_size = dist.get_world_size()
-    shard_size = _ranks_per_node(world_size)
+    shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if shard_size <= 0 and torch.cuda.is_available():
+        shard_size = torch.cuda.device_count()
+    if shard_size <= 0 or world_size % shard_size != 0:
+        shard_size = world_size  # one node: hybrid degenerates to full sharding within it
     return _cached(("hybrid", world_size, shard_size, device_type), lambda: init_device_mesh(
         device_type, (world_size // shard_size, shard_size), mesh_dim_names=MESH_DIM_NAMES_2D))
 
 
 def _mesh_from_group_pair(intra_node: Any, inter_node: Any, device_type: str) -> DeviceMesh:
-    return _cached(("pair", intra_node, inter_node, device_type), lambda: DeviceMesh.from_group(
-        [inter_node, intra_node], device_type, mesh=_node_layout(intra_node), mesh_dim_names=MESH_DIM_NAMES_2D))
+    def build() -> DeviceMesh:
+        # The (nodes, ranks per node) table of global ranks, from every rank's intra-node group.
+        everyones: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyones, dist.get_process_group_ranks(intra_node))
+        layout = torch.tensor(sorted({tuple(ranks) for ranks in everyones}), dtype=torch.int)
+        return DeviceMesh.from_group([inter_node, intra_node], device_type, mesh=layout,
+                                     mesh_dim_names=MESH_DIM_NAMES_2D)
 
-
-def _node_layout(intra_node: Any) -> torch.Tensor:
-    """The (nodes, ranks per node) table of global ranks, learnt from every rank's intra-node group."""
-    everyones: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyones, dist.get_process_group_ranks(intra_node))
-    return torch.tensor(sorted({tuple(ranks) for ranks in everyones}), dtype=torch.int)
+    return _cached(("pair", intra_node, inter_node, device_type), build)

@@ -27,18 +27,17 @@ from ._common import clean_name, warn_once
 from ._unit_state import UnitState, units_with_paths
 from .api import CPUOffload, MixedPrecision
 
-# FSDP1's switch for full-precision eval forwards; the engine fixes a unit's compute dtype at its
-# first all-gather, so we can only say that it is not honoured.
+# FSDP1's switch for full-precision eval forwards: the engine fixes a unit's compute dtype at its
+# first all-gather, so we can only warn that it is not honoured.
 _FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
-# Marks a sharded parameter whose gradients are kept in low precision (and in which dtype). It is
-# a Python attribute of the parameter, like its hooks, so a tensor swap removes both together.
+# The dtype a sharded parameter's gradients are kept in; an attribute of the parameter, like its
+# hooks, so a tensor swap removes both together.
 _LOW_PRECISION_GRAD_MARK = "_fsdp_compat_low_precision_grad_dtype"
 
 
 def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy:
-    """The engine's policy for FSDP1's ``MixedPrecision``. ``cast_forward_inputs`` is always
-    passed (defaults differ). FSDP1's ``reduce_dtype=None`` means ``param_dtype``; the engine's
-    ``None`` means that only before torch 2.15, so ``param_dtype`` is passed explicitly."""
+    """The engine's policy for FSDP1's ``MixedPrecision`` (defaults differ, so all passed; FSDP1's
+    ``reduce_dtype=None`` means ``param_dtype``, the engine's only before torch 2.15)."""
     if mixed_precision is None:
         return MixedPrecisionPolicy(cast_forward_inputs=False)
     return MixedPrecisionPolicy(
@@ -50,9 +49,7 @@ def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolic
 
 def engine_offload_policy(cpu_offload: CPUOffload, device: torch.device) -> OffloadPolicy:
     """The engine's offload policy; pinned host memory only helps (and only works) with a GPU."""
-    if not cpu_offload.offload_params:
-        return OffloadPolicy()
-    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload.offload_params else OffloadPolicy()
 
 
 # Input dtype of each overridden module's last forward, to cast its outputs back (as FSDP1).
@@ -61,15 +58,10 @@ _input_dtype_of: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.Wea
 
 def prepare_individually_wrapped(module: nn.Module,
                                  mixed_precision: MixedPrecision | None) -> tuple[type[nn.Module], ...]:
-    """FSDP1's treatment of ``_module_classes_to_ignore`` under an auto-wrap policy: returns the
-    classes the wrap planner must wrap on their own with ``mixed_precision=None``. Like FSDP1,
-    every instance (ignored ones too) gets ``_wrap_overrides`` (read by :func:`fsdp_compat.wrap.wrap`)
-    and forward hooks that run it on fp32 inputs and cast its outputs back to the input dtype."""
-    if mixed_precision is None:
-        return ()
-    classes = tuple(set(mixed_precision._module_classes_to_ignore))
-    if not classes:
-        return ()
+    """FSDP1's ``_module_classes_to_ignore`` under an auto-wrap policy: the classes to wrap on their
+    own with ``mixed_precision=None``. As in FSDP1, every instance (ignored ones too) gets
+    ``_wrap_overrides`` and hooks that run it on fp32 inputs and cast outputs to the input dtype."""
+    classes = tuple(set(mixed_precision._module_classes_to_ignore)) if mixed_precision is not None else ()
     overridden: set[type[nn.Module]] = set()
     for submodule in module.modules():
         if isinstance(submodule, classes):
@@ -79,12 +71,9 @@ def prepare_individually_wrapped(module: nn.Module,
             submodule.register_forward_pre_hook(_cast_inputs_to_full_precision)
             submodule.register_forward_hook(_cast_outputs_to_input_dtype)
     if overridden:
-        warnings.warn(
-            "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
-            f"module has submodules of type:\n{overridden}\nThese modules will be wrapped as "
-            "separate FSDP instances with mixed precision disabled.",
-            stacklevel=3,
-        )
+        warnings.warn("Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
+                      f"module has submodules of type:\n{overridden}\nThese modules will be wrapped as "
+                      "separate FSDP instances with mixed precision disabled.", stacklevel=3)
     return classes
 
 
@@ -93,10 +82,8 @@ def _cast_inputs_to_full_precision(module: nn.Module, args: Any) -> Any:
 
 
 def _cast_outputs_to_input_dtype(module: nn.Module, args: Any, output: Any) -> Any:
-    dtype = _input_dtype_of.get(module)
-    if dtype is None:  # no floating-point input was ever cast: nothing to restore (FSDP1 too)
-        return None
-    return _cast_floating_tensors(output, dtype, recording_for=module)
+    dtype = _input_dtype_of.get(module)  # None: no floating-point input was ever cast (FSDP1 too)
+    return None if dtype is None else _cast_floating_tensors(output, dtype, recording_for=module)
 
 
 def init_unit(unit: UnitState) -> None:
@@ -110,10 +97,9 @@ def init_unit(unit: UnitState) -> None:
 
 def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """What FSDP1's root does for mixed precision before each forward: the first time, cast the
-    buffers (FSDP1's lazy initialisation); every time, re-install low-precision-gradient hooks
-    where missing (``module.to()`` and the flat-parameter upcast swap the parameters' contents,
-    and the hooks leave with the old ones) and cast the root's floating-point inputs."""
+    """FSDP1's root before each forward: the first time, cast the buffers (its lazy init); every
+    time, re-install low-precision-gradient hooks where missing (``module.to()`` and the flat-
+    parameter upcast swap parameters' contents, taking the hooks) and cast the root's inputs."""
     if not root.buffers_cast_for_computation:
         _cast_buffers_for_computation(units)
         root.buffers_cast_for_computation = True
@@ -127,9 +113,8 @@ def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, .
 
 @torch.no_grad()
 def _cast_buffers_for_computation(units: list[UnitState]) -> None:
-    """Cast each floating-point buffer to the ``buffer_dtype`` of the innermost unit holding it
-    (``units`` is in pre-order: reversed, inner units come first). Buffers of ignored modules are
-    left alone, as in FSDP1."""
+    """Cast each floating-point buffer, except ignored modules' (as FSDP1), to the ``buffer_dtype``
+    of the innermost unit holding it (``units`` is in pre-order: reversed, inner ones first)."""
     visited: set[int] = set()
     for unit in reversed(units):
         dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
@@ -143,9 +128,8 @@ def _cast_buffers_for_computation(units: list[UnitState]) -> None:
 
 
 def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
-    """Clean buffer FQN (relative to ``root``) -> dtype to restore in FULL / SHARDED state dicts:
-    FSDP1 restores it (on a clone) where buffer mixed precision is enabled for a unit whose subtree
-    holds the buffer, except for buffers of ignored modules."""
+    """Clean buffer FQN -> dtype that FULL / SHARDED state dicts restore (on a clone), as FSDP1:
+    buffers under a unit with ``buffer_dtype``, except ignored modules'."""
     restored: dict[str, torch.dtype] = {}
     for path, unit in units_with_paths(root):
         if unit.mixed_precision is None or unit.mixed_precision.buffer_dtype is None:
@@ -163,16 +147,14 @@ def _ignored_buffer_ids(unit: UnitState) -> set[int]:
 
 
 def _install_low_precision_grad_hooks(unit: UnitState) -> None:
-    """With ``keep_low_precision_grads``, make the unit's gradients ``param_dtype`` after backward:
-    the engine runs post-accumulate-grad hooks after writing ``.grad``; ours casts it. A later
-    backward without ``zero_grad`` adds in fp32 and rounds once, as FSDP1's upcast-add-cast."""
+    """``keep_low_precision_grads``: a post-accumulate-grad hook casts ``.grad`` to ``param_dtype``
+    after the engine writes it (a later backward adds in fp32 and rounds once, as FSDP1)."""
     policy = unit.mixed_precision
     if policy is None or not policy.keep_low_precision_grads or policy.param_dtype is None:
         return
     for param in _engine.sharded_params(unit.module):
-        if not (param.requires_grad and param.is_floating_point()):
-            continue
-        if getattr(param, _LOW_PRECISION_GRAD_MARK, None) == policy.param_dtype:
+        if (not (param.requires_grad and param.is_floating_point())
+                or getattr(param, _LOW_PRECISION_GRAD_MARK, None) == policy.param_dtype):
             continue
         param.grad_dtype = None  # allow a .grad whose dtype differs from the parameter's
         param.register_post_accumulate_grad_hook(
@@ -187,19 +169,16 @@ def _cast_grad(param: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _cast_floating_tensors(value: Any, dtype: torch.dtype, recording_for: nn.Module | None = None) -> Any:
     """``value`` with every floating-point tensor not in ``dtype`` cast to it, walking containers
-    as FSDP1 (and the engine) do: dataclasses, dicts, namedtuples, lists, tuples, sets; a
-    ``PackedSequence`` passes unchanged. FSDP1 records the dtype of every tensor it casts for an
-    overridden module, outputs included (the next forward with fp32 inputs then leaves the outputs
-    in fp32): ``recording_for`` does the same bookkeeping."""
-
-    def cast(tensor: torch.Tensor) -> torch.Tensor:
-        if recording_for is not None:
-            _input_dtype_of[recording_for] = tensor.dtype
-        return tensor.to(dtype)
+    as FSDP1 (and the engine) do; a ``PackedSequence`` passes unchanged. Like FSDP1, it records
+    for ``recording_for`` the dtype of every tensor it casts, outputs included."""
 
     def visit(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
-            return cast(item) if torch.is_floating_point(item) and item.dtype != dtype else item
+            if not torch.is_floating_point(item) or item.dtype == dtype:
+                return item
+            if recording_for is not None:
+                _input_dtype_of[recording_for] = item.dtype
+            return item.to(dtype)
         if dataclasses.is_dataclass(item) and not isinstance(item, type):
             changes = {f.name: visit(getattr(item, f.name)) for f in dataclasses.fields(item) if f.init}
             return dataclasses.replace(item, **changes)

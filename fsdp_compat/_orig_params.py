@@ -1,12 +1,10 @@
 """Optimizers built before wrapping keep training the wrapped model.
 
 FSDP1 with ``use_orig_params=True`` keeps every ``nn.Parameter`` object, so an optimizer built on the
-unwrapped model (Fabric's ``setup(model, optimizer)``, accelerate's ``prepare``, hand-written code)
-keeps training it. The engine's new ``DTensor`` parameters cannot take the original objects' place
-(``DTensor`` has ``__slots__``: ``swap_tensors`` and ``__class__`` assignment refuse), so each
-wrapper records which parameter replaced which, and before any optimizer steps (a global step
-pre-hook) or has its state exported, its ``param_groups`` get the current parameters, with any state
-moved to their layout: the optimizer one would have built after wrapping, for both ``use_orig_params``.
+unwrapped model (Fabric's ``setup``, accelerate's ``prepare``) keeps training it. The engine's
+``DTensor`` parameters cannot take the originals' place (``__slots__``: ``swap_tensors`` refuses), so
+we record which parameter replaced which, and before an optimizer steps (a global step pre-hook) or
+exports its state, point its ``param_groups`` (and state) at the current ones.
 """
 
 from __future__ import annotations
@@ -22,12 +20,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._tensor_layout import shard_like
 
-# Weak on the parameter: holding every original until the root is built would keep each unit's
-# full tensors alive after the engine sharded them; one nobody holds needs no re-pointing.
+# Weak on the parameter: a strong one would keep each unit's full tensors alive after sharding.
 ParamSlots = list[tuple[nn.Module, str, "weakref.ref[nn.Parameter]"]]
 
-# original parameter -> the parameter that replaced it (weak on the original: once no optimizer
-# or user code holds it, the entry goes).
+# original parameter -> the parameter that replaced it (the entry goes with the original).
 _replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _generation = 0  # bumped on every new replacement, so checked optimizers are checked again
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
@@ -73,13 +69,13 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 continue
             params[index] = current
             if param in optimizer.state:
-                optimizer.state[current] = _moved_state(optimizer.state.pop(param), param, current)
+                optimizer.state[current] = _moved_state(optimizer.state.pop(param), current)
     _checked[optimizer] = _generation
 
 
-def _moved_state(state: dict[str, Any], old: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
-    """State of ``old`` (an optimizer that already stepped before wrapping) in ``new``'s layout:
-    per-element tensors are cut to this rank's shard (no communication), the rest kept."""
+def _moved_state(state: dict[str, Any], new: torch.Tensor) -> dict[str, Any]:
+    """A replaced parameter's state (stepped before wrapping) in ``new``'s layout: per-element
+    tensors cut to this rank's shard (no communication), the rest kept."""
     if not isinstance(new, DTensor):
         return state
     return {key: shard_like(value.to(new.dtype) if value.is_floating_point() else value, new)
