@@ -51,23 +51,17 @@ OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
 # Deprecation warnings, worded as FSDP1's (users filter on the text).
 
 def _warn_legacy(current: str, replacement: str) -> None:
-    warnings.warn(
-        f"``FullyShardedDataParallel.{current}``is being deprecated and is "
-        f"replaced by ``FullyShardedDataParallel.{replacement}``. "
-        f"``FullyShardedDataParallel.{current}`` may be removed after PyTorch 2.2.",
-        FutureWarning,
-        stacklevel=3,  # the caller of the public method
-    )
+    warnings.warn(f"``FullyShardedDataParallel.{current}``is being deprecated and is "
+                  f"replaced by ``FullyShardedDataParallel.{replacement}``. "
+                  f"``FullyShardedDataParallel.{current}`` may be removed after PyTorch 2.2.",
+                  FutureWarning, stacklevel=3)  # the caller of the public method
 
 
 def _warn_optim_input(optim_input: OptimInput) -> None:
     if optim_input is not None:
-        warnings.warn(
-            "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
-            "You may remove it from your code without changing its functionality.",
-            FutureWarning,
-            stacklevel=3,
-        )
+        warnings.warn("The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
+                      "You may remove it from your code without changing its functionality.",
+                      FutureWarning, stacklevel=3)
 
 
 # Which parameter is which: optimizer keys, clean names, owning units.
@@ -205,9 +199,7 @@ def _model_group(model: nn.Module, group: Any) -> Any:
         return group
     # The model is usually the root wrapper itself: its mesh, without walking the model.
     root = state_of(model) or next(iter(units_in(model)), None)
-    if root is None:
-        return dist.group.WORLD
-    return flatten_to_1d(root.device_mesh).get_group()
+    return dist.group.WORLD if root is None else flatten_to_1d(root.device_mesh).get_group()
 
 
 def _hyper_parameters(saved_group: Mapping[str, Any]) -> dict[str, Any]:
