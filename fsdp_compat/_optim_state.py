@@ -394,14 +394,14 @@ def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
             "param_groups": osd["param_groups"]}
 
 
-def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str, Any]:
-    """Rank 0's (validated) ``osd`` on every rank in this model's layout, as new memory: the
-    structure first, then the tensors. A sharded parameter's state is scattered, one scatter per
-    unit, state name and dtype (each rank receives its rows alone, as FSDP1 batches per flat
-    parameter); any other tensor is broadcast and converted as it arrives (one at a time)."""
+def _scatter_from_rank0(osd: Any, index: _ParamIndex,
+                        group: Any) -> tuple[Mapping[str, Any], dict[tuple[str, str], DTensor]]:
+    """Rank 0's (validated) ``osd`` on every rank (elsewhere its skeleton: tensors sent apart as
+    placeholders), and each sharded parameter's state in this rank's layout, keyed ``(name, state
+    name)``: one scatter per unit, state name and dtype (each rank receives its rows alone, as
+    FSDP1 batches per flat parameter). A collective."""
     is_rank0 = dist.get_rank(group) == 0
     skeleton = broadcast_object(_skeleton(osd) if is_rank0 else None, group)
-    osd = osd if is_rank0 else skeleton
     batches: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
     for name, param_state in skeleton["state"].items():
         param = index.param_of_fqn[name]
@@ -410,23 +410,12 @@ def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str,
         for state_name, value in param_state.items():
             if isinstance(value, TensorSpec):
                 batches.setdefault((index.unit_of.get(param), state_name, value.dtype), []).append((name, state_name))
-    received: dict[tuple[str, str], Any] = {}
+    received: dict[tuple[str, str], DTensor] = {}
     for (_, _, dtype), keys in batches.items():
         likes = [cast(DTensor, index.param_of_fqn[name]) for name, _ in keys]
         fulls = [osd["state"][name][state_name] for name, state_name in keys] if is_rank0 else None
         received.update(zip(keys, scatter_like(fulls, likes, dtype, group)))
-    device = communication_device(group)
-    state: dict[str, dict[str, Any]] = {}
-    for name, param_state in osd["state"].items():
-        param = index.param_of_fqn[name]
-        state[name] = {}
-        for state_name, value in param_state.items():
-            if (name, state_name) in received:
-                state[name][state_name] = received[name, state_name]
-            else:
-                sent = broadcast_tensor(value, group, device) if _sent_apart(value) else value
-                state[name][state_name] = _import_value(sent, param)
-    return {"state": state, "param_groups": osd["param_groups"]}
+    return (osd if is_rank0 else skeleton), received
 
 
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
@@ -447,14 +436,21 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
             if rank0_only and any(isinstance(value, DTensor) or is_sharded_tensor(value) for value in values):
                 raise ValueError("A full optimizer state dict holds plain tensors; pass "
                                  "what full_optim_state_dict / FULL optim_state_dict returned")
-    converted = rank0_only and bool(groups)
-    if converted:  # values arrive already in this model's layout
-        osd = _broadcast_from_rank0(osd, index, groups[0])
+    from_rank0 = rank0_only and bool(groups)
+    received: dict[tuple[str, str], DTensor] = {}
+    if from_rank0:
+        osd, received = _scatter_from_rank0(osd, index, groups[0])
     state: dict[ParamKey, Any] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        state[index.key_of[param]] = {state_name: value if converted else _import_value(value, param)
-                                      for state_name, value in param_state.items()}
+        state[index.key_of[param]] = converted = {}
+        for state_name, value in param_state.items():
+            if (name, state_name) in received:
+                converted[state_name] = received[name, state_name]
+                continue
+            if from_rank0 and _sent_apart(value):  # broadcast, converted as it arrives (one at a time)
+                value = broadcast_tensor(value, groups[0], communication_device(groups[0]))
+            converted[state_name] = _import_value(value, param)
     param_groups = [{**_hyper_parameters(saved), "params": sorted(index.key_of[param] for param in current)}
                     for saved, current in zip(osd["param_groups"], index.groups)]  # FSDP1 sorts ``params``
     return {"state": state, "param_groups": param_groups}
