@@ -77,11 +77,8 @@ def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: l
 
 
 def _plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[_FlatUnit], list[str]]:
-    """Each unit's flat parameter matched against this model's layout, and what does not match.
-
-    Local: no communication. Every unit of ``root`` with sharded parameters needs its flat
-    parameter, laid out as this model's unit would be by FSDP1 at this world size.
-    """
+    """Each sharded unit's flat parameter matched against the layout FSDP1 would give it at this
+    world size, and what does not match. No communication."""
     units: list[_FlatUnit] = []
     errors: list[str] = []
     unmatched = flat_unit_paths(state_dict)

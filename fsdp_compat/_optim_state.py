@@ -202,8 +202,7 @@ def _model_group(model: nn.Module, group: Any) -> Any:
     return dist.group.WORLD if root is None else flatten_to_1d(root.device_mesh).get_group()
 
 
-def _hyper_parameters(saved_group: Mapping[str, Any]) -> dict[str, Any]:
-    """A saved param group without its ``params``, as new memory."""
+def _hyper_parameters(saved_group: Mapping[str, Any]) -> dict[str, Any]:  # as new memory
     return copy.deepcopy({key: value for key, value in saved_group.items() if key != "params"})
 
 
