@@ -1,13 +1,11 @@
 """torch FSDP1's LOCAL_STATE_DICT checkpoints (one flat parameter per unit), read per parameter.
 
-FSDP1 keeps each unit's parameters in one 1-D ``FlatParameter``; its LOCAL state dict holds, per
-unit with parameters, a ``ShardedTensor`` keyed ``<unit path>._flat_param`` with this rank's slice
-of it. The engine has no flat parameter, so the layout is rebuilt from the module, following the
-rules of FSDP1's ``_flat_param.py`` (torch 2.x):
+FSDP1's LOCAL state dict holds, per unit with parameters, a ``ShardedTensor`` keyed
+``<unit path>._flat_param`` with this rank's slice of the unit's 1-D ``FlatParameter``. The engine
+has none, so the layout is rebuilt from the module by the rules of FSDP1's ``_flat_param.py``:
 
-* Order: the unit's parameters in a pre-order walk of its module tree (``named_modules``), each at
-  its first registration, so a tied weight is flattened once. Parameters of nested units and
-  ignored ones are not in it.
+* Order: the unit's parameters in a pre-order walk of its modules, each at its first registration
+  (a tied weight is flattened once). Parameters of nested units and ignored ones are not in it.
 * ``use_orig_params=True`` pads before each parameter up to a multiple of 16 bytes of the unit's
   compute dtype (``MixedPrecision.param_dtype``, else the parameter's), then pads the total to a
   multiple of the world size. ``use_orig_params=False`` pads neither.
@@ -15,12 +13,12 @@ rules of FSDP1's ``_flat_param.py`` (torch 2.x):
   ``c = ceil(N / world size)``; the ``ShardedTensor`` has global size ``N`` and holds the owned
   elements below ``N`` (no local shard when there are none).
 * ``NO_SHARD`` units have no flat parameter in FSDP1's LOCAL state dicts (FSDP1 gives FULL ones).
-* ``use_orig_params=True`` also saves each parameter's part of this rank's slice under the
-  parameter's name. Those are views of the same elements: the flat parameter is read instead.
+* ``use_orig_params=True`` also saves each parameter's part of this rank's slice under its name:
+  views of the same elements; the flat parameter is read instead.
 
-Which padding the checkpoint has is read off its size: this wrapper's own settings first, then
-the other ``use_orig_params`` and compute dtypes (users moving off FSDP1 often change them). A size
-matching none means another world size or wrapping, which no local reading can fix.
+The padding is read off the checkpoint's size: this wrapper's own settings first, then the other
+``use_orig_params`` and compute dtypes (users moving off FSDP1 often change them). A size matching
+none means another world size or wrapping, which no local reading can fix.
 """
 
 from __future__ import annotations
@@ -32,14 +30,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine
 from ._collectives import communication_device, mesh_groups, ranks_where
 from ._state_dict_entries import Entry
 from ._tensor_layout import shard_like
-from ._unit_state import UnitState, state_of, units_with_paths
+from ._unit_state import UnitState, units_with_paths
 from .api import ShardingStrategy
 
 FLAT_PARAM = "_flat_param"
@@ -80,11 +77,8 @@ def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: l
 
 
 def _plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[_FlatUnit], list[str]]:
-    """Each unit's flat parameter matched against this model's layout, and what does not match.
-
-    Local: no communication. Every unit of ``root`` with sharded parameters needs its flat
-    parameter, laid out as this model's unit would be by FSDP1 at this world size.
-    """
+    """Each sharded unit's flat parameter matched against the layout FSDP1 would give it at this
+    world size, and what does not match. No communication."""
     units: list[_FlatUnit] = []
     errors: list[str] = []
     unmatched = flat_unit_paths(state_dict)
@@ -130,38 +124,36 @@ def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
     if not (hasattr(value, "local_shards") and hasattr(value, "metadata")):  # ShardedTensor's API
         return (f"{key!r} is a {type(value).__name__}; FSDP1's LOCAL_STATE_DICT holds a "
                 "ShardedTensor there (each rank's file, loaded with torch.load)")
-    sizes = [param.numel() for param in params]
     total = int(math.prod(value.metadata().size))
-    layouts = [_layout(sizes, alignment, unit.world_size) for alignment in _alignments(unit, params)]
+    layouts = [_layout([param.numel() for param in params], alignment, unit.world_size)
+               for alignment in _alignments(unit, params)]
     offsets = next((offsets for offsets, layout_total in layouts if layout_total == total), None)
-    if offsets is None:  # described against the layout of the wrapper's own setting (the first)
-        return _mismatch(key, path, value, layouts[0][1], unit.world_size)
+    # Described against the layout found, else that of the wrapper's own setting (the first).
+    ours = total if offsets is not None else layouts[0][1]
+    written_shard = max((int(math.prod(s.shard_sizes)) for s in value.metadata().shards_metadata), default=0)
+    mismatch = (f"{_unit_name(path)} ({key!r}): the checkpoint's flat size is {total} in shards of "
+                f"{written_shard}; this model's unit lays out {ours} in shards of "
+                f"{math.ceil(ours / unit.world_size)} at world size {unit.world_size}")
+    if offsets is None:
+        return mismatch
     shard_numel = math.ceil(total / unit.world_size)
     error = _local_shard_error(value, unit.rank, shard_numel, total)
     if error:
-        return _mismatch(key, path, value, total, unit.world_size) + f"; {error}"
+        return f"{mismatch}; {error}"
     return _FlatUnit(unit, key, params, offsets, shard_numel, value)
 
 
 def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]
                     ) -> list[DTensor]:
-    """The unit's sharded parameters in FSDP1's flattening order: pre-order over the unit's
-    modules (nested units' subtrees hold none of them), each parameter at its first slot."""
+    """The unit's sharded parameters in FSDP1's flattening order: pre-order over all modules
+    under the unit's (as FSDP1 walks them), each parameter at its first slot."""
     by_slot = {(id(module), name): sharded for sharded, owners in slots for module, name in owners}
     ordered: dict[int, DTensor] = {}
-
-    def visit(module: nn.Module) -> None:
+    for module in unit.module.modules():
         for name, _ in module.named_parameters(recurse=False, remove_duplicate=False):
             sharded = by_slot.get((id(module), name))
             if sharded is not None:
                 ordered.setdefault(id(sharded), sharded)
-        for child in module.children():
-            if state_of(child) is None:
-                visit(child)
-
-    visit(unit.module)
-    for sharded, _ in slots:  # every slot is in the walk; kept for safety, in the engine's order
-        ordered.setdefault(id(sharded), sharded)
     return list(ordered.values())
 
 
@@ -195,15 +187,6 @@ def _local_shard_error(value: Any, rank: int, shard_numel: int, total: int) -> s
     if found == expected:
         return ""
     return f"this rank (rank {rank} of the unit's group) holds shards (offset, elements) {found} instead of {expected}"
-
-
-def _mismatch(key: str, path: str, value: Any, total: int, world_size: int) -> str:
-    """What differs between a flat parameter and this model's unit (sizes in elements)."""
-    written_total = int(math.prod(value.metadata().size))
-    written_shard = max((int(math.prod(s.shard_sizes)) for s in value.metadata().shards_metadata), default=0)
-    return (f"{_unit_name(path)} ({key!r}): the checkpoint's flat size is {written_total} in "
-            f"shards of {written_shard}; this model's unit lays out {total} in shards of "
-            f"{math.ceil(total / world_size)} at world size {world_size}")
 
 
 @torch.no_grad()

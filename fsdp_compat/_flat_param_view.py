@@ -1,13 +1,11 @@
 """FSDP1's private ``FlatParameter`` names, given a meaning on a per-parameter engine unit.
 
-FSDP1 keeps each unit's parameters in one 1-D ``FlatParameter`` (``_flat_param``) owned by a
-``FlatParamHandle`` (``_handle``). accelerate (1.x, ``Accelerator.prepare_model``) with mixed
-precision upcasts the master weights through them: for each unit with ``_has_params`` whose
-``_flat_param`` is low-precision, it logs ``_flat_param._fqns``, assigns
-``_flat_param.data = _flat_param.data.to(torch.float32)`` and sets
-``_handle._orig_param_dtype = torch.float32``. :class:`FlatParamView` stands in for both objects:
-it presents the unit's *local shards* as one flat parameter and honours both writes by re-typing
-the shards, while ``MixedPrecision.param_dtype`` still decides the compute dtype. As in FSDP1, only
+accelerate (1.x, ``Accelerator.prepare_model``) with mixed precision upcasts master weights through
+them: for each unit with ``_has_params`` whose ``_flat_param`` is low-precision, it logs
+``_flat_param._fqns``, assigns ``_flat_param.data = _flat_param.data.to(torch.float32)`` and sets
+``_handle._orig_param_dtype = torch.float32``. :class:`FlatParamView` stands in for both objects,
+presenting the unit's *local shards* as one flat parameter and honouring both writes by re-typing
+the shards (``MixedPrecision.param_dtype`` still decides the compute dtype); as in FSDP1, only
 before the first forward.
 """
 
@@ -22,8 +20,8 @@ from ._unit_state import UnitState
 
 
 class FlatParamView:
-    """FSDP1's ``FlatParameter`` of one unit, and its ``FlatParamHandle`` (``flat_param``,
-    ``_orig_param_dtype``): one object, as nothing but the dtype belongs to the handle alone."""
+    """FSDP1's ``FlatParameter`` of one unit and its ``FlatParamHandle`` in one object: only
+    ``_orig_param_dtype`` is the handle's."""
 
     def __init__(self, unit: UnitState) -> None:
         self._unit = unit
@@ -35,21 +33,16 @@ class FlatParamView:
         return [param.to_local() for param in self._params()]
 
     @property
-    def flat_param(self) -> FlatParamView:
-        return self
-
-    @property
     def dtype(self) -> torch.dtype:
-        """The unit's parameter dtype (FSDP1 requires one per unit). If the engine holds several
-        (it allows frozen parameters of another dtype), the narrowest floating-point one, so that
-        ``dtype != torch.float32`` still tells whether any parameter is held in low precision."""
+        """The narrowest floating-point dtype of the unit's parameters (FSDP1 has one per unit; the
+        engine allows frozen ones of another), so ``dtype != torch.float32`` still tells whether any
+        parameter is held in low precision."""
         dtypes = {param.dtype for param in self._params()}
         floating = [dtype for dtype in dtypes if dtype.is_floating_point]
         return min(floating or dtypes, key=lambda dtype: dtype.itemsize)
 
-    # The dtype the sharded (master) parameters are kept and stepped in: the handle's name for it.
     @property
-    def _orig_param_dtype(self) -> torch.dtype:
+    def _orig_param_dtype(self) -> torch.dtype:  # the dtype the master weights are kept and stepped in
         return self.dtype
 
     @_orig_param_dtype.setter
@@ -64,14 +57,13 @@ class FlatParamView:
         _engine.set_sharded_param_dtype(self._unit.module, dtype)
 
     @property
-    def device(self) -> torch.device:
-        """Where the local shards live (the CPU under ``CPUOffload(offload_params=True)``)."""
+    def device(self) -> torch.device:  # the CPU under ``CPUOffload(offload_params=True)``
         return self._params()[0].device
 
     @property
     def requires_grad(self) -> bool:
-        """Whether any of the unit's parameters requires a gradient (FSDP1's rule for
-        ``use_orig_params=True``; with ``False`` FSDP1 insists that all or none do)."""
+        """Whether any of the unit's parameters does (FSDP1's rule for ``use_orig_params=True``;
+        with ``False`` FSDP1 insists that all or none do)."""
         return any(param.requires_grad for param in self._params())
 
     @property
@@ -93,11 +85,10 @@ class FlatParamView:
                              f"{tuple(value.shape)}")
         if value.is_floating_point() and value.dtype != self.dtype:
             self._orig_param_dtype = value.dtype
+        shards = self._local_shards()  # re-typed above if need be
         with torch.no_grad():
-            offset = 0
-            for shard in self._local_shards():
-                shard.copy_(value[offset:offset + shard.numel()].view(shard.shape))
-                offset += shard.numel()
+            for shard, piece in zip(shards, value.split([shard.numel() for shard in shards])):
+                shard.copy_(piece.view(shard.shape))
 
     @property
     def shape(self) -> torch.Size:

@@ -1,17 +1,12 @@
 """Optimizer state dicts: FSDP1's whole family, keyed and shaped exactly as FSDP1's.
 
-The user's optimizer holds the engine's sharded ``DTensor`` parameters, so its own state
-(``exp_avg``, ``momentum_buffer``...) is made of DTensors sharded like their parameters, keyed by
-integer ids. FSDP1's formats are keyed by clean parameter names instead:
-
-* FULL: each state tensor unsharded (plain ``torch.Tensor``), optionally on rank 0 only;
-* SHARDED: each state tensor this rank's DTensor shard (FSDP1 writes ``ShardedTensor``; DTensor is
-  the engine's form and what ``torch.distributed.checkpoint`` prefers, and loading accepts both).
-
-Saving converts the optimizer's id-keyed state to one of these (``_export``); loading converts
-either back to the optimizer's ids and this model's layout (``_import``), after validating the
-whole input, so bad input raises before anything is touched. Order of keys, ``param_groups``
-contents and the treatment of scalar state (Adam's ``step``) follow FSDP1's output.
+The optimizer holds the engine's sharded ``DTensor`` parameters, so its state (``exp_avg``...) is
+DTensors sharded like them, keyed by integer ids. FSDP1's formats are keyed by clean parameter
+names: FULL holds each state tensor unsharded (optionally on rank 0 only); SHARDED this rank's
+DTensor shard (FSDP1 writes ``ShardedTensor``; DTensor is the engine's form and what
+``torch.distributed.checkpoint`` prefers; loading takes both). Saving is ``_export``; loading,
+``_import``, validates the whole input first, so bad input raises before anything is touched.
+Key order, ``param_groups`` and scalar state (Adam's ``step``) follow FSDP1's output.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from ._collectives import all_ranks_agree, broadcast_object, communication_devic
 from ._common import clean_name
 from ._full_tensors import GatherBuffer
 from ._mesh import flatten_to_1d
-from ._optim_state_kinds import StateKinds, check_state_kinds, learn_state_kinds
+from ._optim_state_kinds import StateKinds, check_state_kinds, is_tensor_like, learn_state_kinds
 from ._tensor_layout import (
     TensorSpec,
     broadcast_tensor,
@@ -49,48 +44,27 @@ from ._tensor_layout import (
 from ._unit_state import state_of, units_in, wrappers_in
 from .api import OptimStateKeyType, StateDictType
 
-__all__ = [
-    "flatten_sharded_optim_state_dict",
-    "full_optim_state_dict",
-    "optim_state_dict",
-    "optim_state_dict_to_load",
-    "rekey_optim_state_dict",
-    "scatter_full_optim_state_dict",
-    "shard_full_optim_state_dict",
-    "sharded_optim_state_dict",
-]
-
 ParamKey = int | str
 OptimInput = list[dict[str, Any]] | Iterable[nn.Parameter] | None
 
 
-# ---------------------------------------------------------------------------------------------
-# Deprecation warnings, worded as FSDP1's (users filter on the text)
-# ---------------------------------------------------------------------------------------------
+# Deprecation warnings, worded as FSDP1's (users filter on the text).
 
 def _warn_legacy(current: str, replacement: str) -> None:
-    warnings.warn(
-        f"``FullyShardedDataParallel.{current}``is being deprecated and is "
-        f"replaced by ``FullyShardedDataParallel.{replacement}``. "
-        f"``FullyShardedDataParallel.{current}`` may be removed after PyTorch 2.2.",
-        FutureWarning,
-        stacklevel=3,  # the caller of the public method
-    )
+    warnings.warn(f"``FullyShardedDataParallel.{current}``is being deprecated and is "
+                  f"replaced by ``FullyShardedDataParallel.{replacement}``. "
+                  f"``FullyShardedDataParallel.{current}`` may be removed after PyTorch 2.2.",
+                  FutureWarning, stacklevel=3)  # the caller of the public method
 
 
 def _warn_optim_input(optim_input: OptimInput) -> None:
     if optim_input is not None:
-        warnings.warn(
-            "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
-            "You may remove it from your code without changing its functionality.",
-            FutureWarning,
-            stacklevel=3,
-        )
+        warnings.warn("The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
+                      "You may remove it from your code without changing its functionality.",
+                      FutureWarning, stacklevel=3)
 
 
-# ---------------------------------------------------------------------------------------------
-# Which parameter is which: optimizer keys, clean names, owning units
-# ---------------------------------------------------------------------------------------------
+# Which parameter is which: optimizer keys, clean names, owning units.
 
 @dataclasses.dataclass
 class _ParamIndex:
@@ -108,13 +82,9 @@ class _ParamIndex:
     def fqns(self, params: Iterable[nn.Parameter]) -> list[str]:
         return [self.fqn_of[param] for param in params]
 
-
-def _uses_flat_params(wrappers: list[nn.Module]) -> bool:
-    """FSDP1's ``use_orig_params=False`` ordering applies; all units must agree, as FSDP1 checks."""
-    settings = {wrapper._use_orig_params for wrapper in wrappers}
-    if len(settings) > 1:
-        raise AssertionError("Not all FSDP modules have the same _use_orig_params value")
-    return settings == {False}
+    def in_flat_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """Grouped by flat parameter, as FSDP1 ``use_orig_params=False`` lists them (stable)."""
+        return sorted(params, key=lambda param: self.flat_position.get(param, -1))
 
 
 def _input_groups(model: nn.Module, optim: Any, optim_input: OptimInput) -> list[list[nn.Parameter]]:
@@ -130,29 +100,16 @@ def _input_groups(model: nn.Module, optim: Any, optim_input: OptimInput) -> list
     return [given]
 
 
-def _unit_ownership(wrappers: list[Any]) -> dict[nn.Parameter, int]:
-    """Each engine-managed parameter's unit, as an index into the pre-order list of wrappers."""
-    owner: dict[nn.Parameter, int] = {}
-    for index, wrapper in enumerate(wrappers):
-        for param in _engine.sharded_params(wrapper.module):
-            owner[cast(nn.Parameter, param)] = index
-    return owner
-
-
 def _flat_positions(model: nn.Module, wrappers: list[nn.Module],
                     unit_of: dict[nn.Parameter, int]) -> dict[nn.Parameter, int]:
     """Positions in ``model.parameters()`` of an FSDP1 ``use_orig_params=False`` model: a unit's
     parameters sit together (its ``FlatParameter``) where its wrapper is; others stay in place."""
-    unit_params: dict[int, list[nn.Parameter]] = {}
+    unit_params: dict[int, list[nn.Parameter]] = {}  # by ``id`` of the unit's wrapper
     for param, unit in unit_of.items():
-        unit_params.setdefault(unit, []).append(param)
-    wrapper_index = {id(wrapper): index for index, wrapper in enumerate(wrappers)}
+        unit_params.setdefault(id(wrappers[unit]), []).append(param)
     position: dict[nn.Parameter, int] = {}
     for module in model.modules():
-        unit_index = wrapper_index.get(id(module))
-        for param in unit_params.get(unit_index, []) if unit_index is not None else []:
-            position.setdefault(param, len(position))
-        for param in module.parameters(recurse=False):
+        for param in [*unit_params.get(id(module), []), *module.parameters(recurse=False)]:
             position.setdefault(param, len(position))
     return position
 
@@ -162,11 +119,8 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
     """Index the optimizer's parameters; ``KeyError`` if one is not a parameter of ``model``."""
     if isinstance(optim, torch.optim.Optimizer):
         _orig_params.rebind_optimizer(optim)  # built before wrapping: now on the model's parameters
-    fqn_of: dict[nn.Parameter, str] = {}
-    raw_name_of: dict[nn.Parameter, str] = {}
-    for name, param in model.named_parameters():  # deduplicated: a tied parameter's first name
-        fqn_of.setdefault(param, clean_name(name))
-        raw_name_of.setdefault(param, name)
+    raw_name_of = {param: name for name, param in model.named_parameters()}  # tied: first name only
+    fqn_of = {param: clean_name(name) for param, name in raw_name_of.items()}
     groups = _input_groups(model, optim, optim_input)
     strangers = [tuple(param.shape) for group in groups for param in group if param not in fqn_of]
     if strangers:
@@ -177,8 +131,11 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
     key_of = {param: (raw_name_of[param] if named_keys else position)
               for position, param in enumerate(ordered)}
     wrappers = wrappers_in(model)
-    unit_of = _unit_ownership(wrappers)
-    flat_order = _uses_flat_params(wrappers)
+    if len({wrapper._use_orig_params for wrapper in wrappers}) > 1:  # as FSDP1 checks
+        raise AssertionError("Not all FSDP modules have the same _use_orig_params value")
+    flat_order = bool(wrappers) and not wrappers[0]._use_orig_params
+    unit_of = {cast(nn.Parameter, param): unit for unit, wrapper in enumerate(wrappers)
+               for param in _engine.sharded_params(wrapper.module)}
     return _ParamIndex(
         groups=groups,
         key_of=key_of,
@@ -192,14 +149,6 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
     )
 
 
-def _group_fqns(index: _ParamIndex, params: list[nn.Parameter]) -> list[str]:
-    """A group's ``params`` names as FSDP1 lists them: optimizer order, or with
-    ``use_orig_params=False`` grouped by flat parameter (stable within one)."""
-    if index.flat_order:
-        params = sorted(params, key=lambda param: index.flat_position.get(param, -1))
-    return index.fqns(params)
-
-
 def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.Parameter]:
     """The order of FSDP1's ``state`` keys.
 
@@ -208,14 +157,11 @@ def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.
     units in the order of their first sorted name.
     """
     if index.flat_order:
-        return sorted(with_state, key=lambda param: index.flat_position.get(param, -1))
+        return index.in_flat_order(with_state)
     by_name = sorted(with_state, key=lambda param: index.fqn_of[param])
-    unmanaged = [param for param in by_name if param not in index.unit_of]
-    units: dict[int, list[nn.Parameter]] = {}
-    for param in by_name:
-        if param in index.unit_of:
-            units.setdefault(index.unit_of[param], []).append(param)
-    return unmanaged + [param for params in units.values() for param in params]
+    units = dict.fromkeys(index.unit_of[param] for param in by_name if param in index.unit_of)
+    unit_rank = {unit: rank for rank, unit in enumerate(units)}
+    return sorted(by_name, key=lambda param: unit_rank[index.unit_of[param]] if param in index.unit_of else -1)
 
 
 def _state_name_order(index: _ParamIndex, param: nn.Parameter, state: Mapping[str, Any]) -> list[str]:
@@ -233,9 +179,8 @@ def _state_name_order(index: _ParamIndex, param: nn.Parameter, state: Mapping[st
         value = state[name]
         return 2 if not torch.is_tensor(value) else int(value.dim() == 0)
 
-    if index.flat_order:
-        return sorted(state, key=lambda name: (kind(name), name))
-    return sorted(state, key=lambda name: (-kind(name), name))
+    sign = 1 if index.flat_order else -1
+    return sorted(state, key=lambda name: (sign * kind(name), name))
 
 
 def _replicated(param: nn.Parameter) -> bool:
@@ -254,14 +199,14 @@ def _model_group(model: nn.Module, group: Any) -> Any:
         return group
     # The model is usually the root wrapper itself: its mesh, without walking the model.
     root = state_of(model) or next(iter(units_in(model)), None)
-    if root is None:
-        return dist.group.WORLD
-    return flatten_to_1d(root.device_mesh).get_group()
+    return dist.group.WORLD if root is None else flatten_to_1d(root.device_mesh).get_group()
 
 
-# ---------------------------------------------------------------------------------------------
-# Saving: optimizer ids and engine shards -> FSDP1 names, FULL or SHARDED
-# ---------------------------------------------------------------------------------------------
+def _hyper_parameters(saved_group: Mapping[str, Any]) -> dict[str, Any]:  # as new memory
+    return copy.deepcopy({key: value for key, value in saved_group.items() if key != "params"})
+
+
+# Saving: optimizer ids and engine shards -> FSDP1 names, FULL or SHARDED.
 
 def _export_value(value: Any, *, sharded: bool, offload: bool) -> Any:
     """One state value in the saved layout, as new memory."""
@@ -279,8 +224,23 @@ def _export_value(value: Any, *, sharded: bool, offload: bool) -> Any:
 def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, Any]], *,
                    sharded: bool, offload: bool, keep: bool) -> dict[str, dict[str, Any]]:
     """Each parameter's state in the saved layout, names in FSDP1's order, as new memory.
-    ``keep=False`` (rank0_only, not rank 0): take part in the gathers, keep nothing."""
-    gathered = {} if sharded else _gather_full_states(index, states, offload, keep)
+    ``keep=False`` (rank0_only, not rank 0): take part in the gathers, keep nothing.
+
+    FULL gathers one batch per unit and state name (FSDP1 gathers per FlatParameter and state
+    too): a few all-gathers instead of one per tensor, and a gather buffer of one unit's full
+    parameters (not of all its states) beside the output."""
+    batches: dict[tuple[int | None, str], list[tuple[nn.Parameter, str]]] = {}
+    for param, state in states.items():
+        for name, value in state.items():
+            if isinstance(value, DTensor) and not sharded:
+                batches.setdefault((index.unit_of.get(param), name), []).append((param, name))
+    gathered: dict[tuple[nn.Parameter, str], torch.Tensor] = {}
+    buffer = GatherBuffer()
+    for keys in batches.values():  # offloaded values go from the gather buffer straight to the CPU
+        fulls = full_tensors([states[param][name] for param, name in keys],
+                             "cpu" if offload else None, keep=keep, buffer=buffer)
+        gathered.update(zip(keys, fulls))
+    buffer.release()
     if not keep:
         return {}
     return {index.fqn_of[param]: {
@@ -290,39 +250,13 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
             for param, state in states.items()}
 
 
-def _gather_full_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, Any]],
-                        offload: bool, keep: bool) -> dict[tuple[nn.Parameter, str], torch.Tensor]:
-    """Every sharded state tensor unsharded, one batch per unit and state name (FSDP1 gathers
-    per FlatParameter and state too): a few all-gathers instead of one per tensor, and a gather
-    buffer of one unit's full parameters (not of all its states) beside the output."""
-    batches: dict[tuple[int | None, str], list[tuple[nn.Parameter, str]]] = {}
-    for param, state in states.items():
-        for name, value in state.items():
-            if isinstance(value, DTensor):
-                batches.setdefault((index.unit_of.get(param), name), []).append((param, name))
-    gathered: dict[tuple[nn.Parameter, str], torch.Tensor] = {}
-    buffer = GatherBuffer()
-    for keys in batches.values():
-        # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
-        # keep nothing only take part in the collective.
-        fulls = full_tensors([states[param][name] for param, name in keys],
-                             "cpu" if offload else None, keep=keep, buffer=buffer)
-        gathered.update(zip(keys, fulls))
-    buffer.release()
-    return gathered
-
-
-def _check_same_structure(signature: list[Any], group: Any) -> None:
-    """Every rank must hold state for the same parameters, or the gathers would not pair up."""
-    if not same_on_all_ranks(signature, group):
-        raise RuntimeError("Ranks hold optimizer state for different parameters or state names; "
-                           "every rank must step the same optimizer over the same model")
-
-
-def _export(model: nn.Module, optim: Any, source: Mapping[str, Any], *, sharded: bool,
+def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool,
             rank0_only: bool, offload: bool, group: Any, optim_input: OptimInput = None) -> dict[str, Any]:
-    """``source`` (an ``optim.state_dict()``: ids -> engine shards) keyed by clean names, FULL
-    or SHARDED. Every rank must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
+    """``source`` (an ``optim.state_dict()``: ids -> engine shards; default: ``optim``'s) keyed by
+    clean names, FULL or SHARDED. Every rank must call (gathers); with ``rank0_only`` other ranks
+    get ``{}``."""
+    _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
+    source = optim.state_dict() if source is None else source
     group = _model_group(model, group)
     # An optimizer over other parameters (or a bad ``optim_state_dict``) on one rank only must not
     # leave the others waiting in the gathers.
@@ -331,11 +265,11 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any], *, sharded:
         state_in = source["state"]
         named = bool(state_in) and all(isinstance(key, str) for key in state_in)
         index = _param_index(model, optim, optim_input, named_keys=named)
-    with_state = [param for param in index.key_of if index.key_of[param] in state_in]
-    ordered = _state_order(index, with_state)
-    if dist.is_initialized():
-        _check_same_structure([(index.fqn_of[p], list(state_in[index.key_of[p]])) for p in ordered],
-                              group)
+    ordered = _state_order(index, [param for param, key in index.key_of.items() if key in state_in])
+    signature = [(index.fqn_of[param], list(state_in[index.key_of[param]])) for param in ordered]
+    if dist.is_initialized() and not same_on_all_ranks(signature, group):  # or the gathers would not pair up
+        raise RuntimeError("Ranks hold optimizer state for different parameters or state names; "
+                           "every rank must step the same optimizer over the same model")
     to_save = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
     state_out = _export_states(index, {param: state_in[index.key_of[param]] for param in ordered},
                                sharded=sharded, offload=offload, keep=to_save)
@@ -355,25 +289,15 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any], *, sharded:
 
 
 def _named_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]:
-    group = copy.deepcopy({key: value for key, value in saved.items() if key != "params"})
+    """A saved param group with ``params`` named in FSDP1's order: the optimizer's, or with
+    ``use_orig_params=False`` grouped by flat parameter."""
     params = [index.param_of_key[key] for key in saved["params"]]
-    return {**group, "params": _group_fqns(index, params)}
+    if index.flat_order:
+        params = index.in_flat_order(params)
+    return {**_hyper_parameters(saved), "params": index.fqns(params)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading: FSDP1 names (FULL / SHARDED / ShardedTensor) -> optimizer ids and engine shards
-# ---------------------------------------------------------------------------------------------
-
-def _check_keys_are_names(keys: list[Any]) -> None:
-    if all(isinstance(key, str) for key in keys):
-        return
-    if all(isinstance(key, int) for key in keys):
-        raise ValueError(
-            "This optimizer state dict is keyed by parameter ids (an optimizer's own state_dict()), "
-            "but FSDP's loaders take parameter names; convert it first with "
-            "FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim=optim)")
-    raise ValueError(f"Invalid parameter keys: {keys}; the state must be keyed by parameter names only")
-
+# Loading: FSDP1 names (FULL / SHARDED / ShardedTensor) -> optimizer ids and engine shards.
 
 def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
     """Everything that can be wrong with ``osd`` for this model and optimizer, before any work.
@@ -381,8 +305,7 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
     Exception types are FSDP1's where it raises (``ValueError`` for a missing ``state``,
     ``KeyError`` for names of another model); where FSDP1 only fails later in
     ``optim.load_state_dict`` or the next step, the type that raises there (``KeyError`` for a
-    missing state such as ``step``). Each parameter's state must be what ``optim``'s class keeps
-    with the saved hyper-parameters (``_optim_state_kinds``), so the result can be stepped.
+    missing state such as ``step``).
     """
     if not isinstance(osd, Mapping) or "state" not in osd:
         raise ValueError('`optim_state_dict` must have the keys "state" and "param_groups" to be a '
@@ -392,7 +315,13 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
         raise KeyError("The optimizer state dict has no 'param_groups'; pass the whole dict that "
                        "FSDP.optim_state_dict (or full_optim_state_dict) returned")
     state, saved_groups = osd["state"], osd["param_groups"]
-    _check_keys_are_names(list(state))
+    if state and all(isinstance(key, int) for key in state):
+        raise ValueError(
+            "This optimizer state dict is keyed by parameter ids (an optimizer's own state_dict()), "
+            "but FSDP's loaders take parameter names; convert it first with "
+            "FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim=optim)")
+    if not all(isinstance(key, str) for key in state):
+        raise ValueError(f"Invalid parameter keys: {list(state)}; the state must be keyed by parameter names only")
     known = {index.fqn_of[param] for param in index.key_of}
     unknown = [name for name in state if name not in known]
     unknown += [name for group in saved_groups for name in group["params"] if name not in known]
@@ -408,64 +337,54 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
             raise ValueError(f"Parameter group {number} of the loaded state dict holds other "
                              f"parameters than the optimizer's group {number}; build the optimizer "
                              "with the same parameter groups as the one that was saved")
-    kinds = _KindsOfGroups(optim, index, saved_groups)
+    _validate_states(state, index, optim, saved_groups)
+
+
+def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
+                     saved_groups: list[Mapping[str, Any]]) -> None:
+    """Each parameter's state must fit its shape and be what ``optim``'s class keeps with the
+    saved hyper-parameters (which the load installs), so the result can be stepped."""
+    group_of = {param: number for number, group in enumerate(index.groups) for param in group}
+    learned: dict[tuple[Any, ...], StateKinds | None] = {}  # per group and dimensionality
     for name, param_state in state.items():
         param = index.param_of_fqn[name]
-        _validate_param_state(name, param_state, param)
-        expected = kinds.of(param)
+        if not isinstance(param_state, Mapping):
+            raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
+                             f"not {type(param_state).__name__}")
+        for state_name, value in param_state.items():
+            if is_tensor_like(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
+                                 f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
+                                 "not belong to this model")
+        if optim is None:  # optim_input given instead: the class is unknown
+            continue
+        local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
+        key = (group_of[param], local.dim(), local.dtype, local.device)
+        if key not in learned:
+            learned[key] = learn_state_kinds(optim, saved_groups[group_of[param]], local)
+        expected = learned[key]
         if expected is not None:
             check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 
-def _validate_param_state(name: str, param_state: Any, param: nn.Parameter) -> None:
-    if not isinstance(param_state, Mapping):
-        raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
-                         f"not {type(param_state).__name__}")
-    for state_name, value in param_state.items():
-        if _is_tensor_like(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
-                             f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
-                             "not belong to this model")
-
-
-class _KindsOfGroups:
-    """What the optimizer keeps per parameter once loaded, learned lazily per parameter group
-    (with the saved hyper-parameters, which the load installs) and dimensionality."""
-
-    def __init__(self, optim: Any, index: _ParamIndex, saved_groups: list[Mapping[str, Any]]) -> None:
-        self.optim = optim
-        self.saved_groups = saved_groups
-        self.group_of = {param: number for number, group in enumerate(index.groups) for param in group}
-        self.learned: dict[tuple[Any, ...], StateKinds | None] = {}
-
-    def of(self, param: nn.Parameter) -> StateKinds | None:
-        if self.optim is None:  # optim_input given instead: the class is unknown
-            return None
-        local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
-        number = self.group_of[param]
-        key = (number, local.dim(), local.dtype, local.device)
-        if key not in self.learned:
-            self.learned[key] = learn_state_kinds(self.optim, self.saved_groups[number], local)
-        return self.learned[key]
-
-
-def _is_tensor_like(value: Any) -> bool:
-    return torch.is_tensor(value) or is_sharded_tensor(value)
-
-
 def _import_value(value: Any, param: nn.Parameter) -> Any:
     """One saved state value in the layout of ``param``'s state, as new memory."""
-    if not _is_tensor_like(value):
+    if not is_tensor_like(value):
         return copy.deepcopy(value)
     if len(value.shape) == 0:  # scalar state (``step``): the optimizer places it itself
         return copy_to(value.to_local() if isinstance(value, DTensor) else value)
     return to_layout_of(value, param)
 
 
+def _sent_apart(value: Any) -> bool:
+    """Whether rank 0 sends ``value`` after the structure (a tensor that is not a scalar)."""
+    return isinstance(value, TensorSpec) or (torch.is_tensor(value) and value.dim() > 0)
+
+
 def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
-    """``osd`` with every non-scalar tensor replaced by a placeholder (cheap to pickle)."""
+    """``osd`` with every tensor sent apart replaced by a placeholder (cheap to pickle)."""
     def strip(value: Any) -> Any:
-        if torch.is_tensor(value) and value.dim() > 0:
+        if _sent_apart(value):
             return TensorSpec.of(value)
         return value.cpu() if torch.is_tensor(value) else value
 
@@ -474,23 +393,14 @@ def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
             "param_groups": osd["param_groups"]}
 
 
-def _check_full_values(osd: Mapping[str, Any]) -> None:
-    for param_state in osd["state"].values():
-        for value in param_state.values():
-            if isinstance(value, DTensor) or is_sharded_tensor(value):
-                raise ValueError("A full optimizer state dict holds plain tensors; pass "
-                                 "what full_optim_state_dict / FULL optim_state_dict returned")
-
-
-def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str, Any]:
-    """Rank 0's (validated) ``osd`` on every rank in this model's layout, as new memory: the
-    structure first, then the tensors. A sharded parameter's state is scattered, one scatter per
-    unit, state name and dtype (each rank receives its rows alone, as FSDP1 batches per flat
-    parameter); any other tensor is broadcast and converted as it arrives (one at a time)."""
-    skeleton = broadcast_object(_skeleton(osd) if dist.get_rank(group) == 0 else None, group)
-    if dist.get_rank(group) != 0:
-        osd = skeleton
-    received: dict[tuple[str, str], Any] = {}
+def _scatter_from_rank0(osd: Any, index: _ParamIndex,
+                        group: Any) -> tuple[Mapping[str, Any], dict[tuple[str, str], DTensor]]:
+    """Rank 0's (validated) ``osd`` on every rank (elsewhere its skeleton: tensors sent apart as
+    placeholders), and each sharded parameter's state in this rank's layout, keyed ``(name, state
+    name)``: one scatter per unit, state name and dtype (each rank receives its rows alone, as
+    FSDP1 batches per flat parameter). A collective."""
+    is_rank0 = dist.get_rank(group) == 0
+    skeleton = broadcast_object(_skeleton(osd) if is_rank0 else None, group)
     batches: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
     for name, param_state in skeleton["state"].items():
         param = index.param_of_fqn[name]
@@ -499,24 +409,12 @@ def _broadcast_from_rank0(osd: Any, index: _ParamIndex, group: Any) -> dict[str,
         for state_name, value in param_state.items():
             if isinstance(value, TensorSpec):
                 batches.setdefault((index.unit_of.get(param), state_name, value.dtype), []).append((name, state_name))
+    received: dict[tuple[str, str], DTensor] = {}
     for (_, _, dtype), keys in batches.items():
         likes = [cast(DTensor, index.param_of_fqn[name]) for name, _ in keys]
-        fulls = [osd["state"][name][state_name] for name, state_name in keys] if dist.get_rank(group) == 0 else None
+        fulls = [osd["state"][name][state_name] for name, state_name in keys] if is_rank0 else None
         received.update(zip(keys, scatter_like(fulls, likes, dtype, group)))
-    state: dict[str, dict[str, Any]] = {}
-    for name, param_state in osd["state"].items():
-        param = index.param_of_fqn[name]
-        state[name] = {state_name: received[name, state_name] if (name, state_name) in received
-                       else _receive_from_rank0(value, param, group)
-                       for state_name, value in param_state.items()}
-    return {"state": state, "param_groups": osd["param_groups"]}
-
-
-def _receive_from_rank0(value: Any, param: nn.Parameter, group: Any) -> Any:
-    """One state value (rank 0's; a placeholder elsewhere) in ``param``'s layout on this rank."""
-    if not isinstance(value, TensorSpec) and not (torch.is_tensor(value) and value.dim() > 0):
-        return _import_value(value, param)  # in the skeleton already
-    return _import_value(broadcast_tensor(value, group, communication_device(group)), param)
+    return (osd if is_rank0 else skeleton), received
 
 
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
@@ -533,27 +431,31 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
         index = _param_index(model, optim, optim_input, named_keys=named_keys)
         if reads_input:
             _validate_for_load(osd, index, optim)
-            if rank0_only:
-                _check_full_values(osd)
-    converted = rank0_only and bool(groups)
-    if converted:  # values arrive already in this model's layout
-        osd = _broadcast_from_rank0(osd, index, groups[0])
+            values = [value for param_state in osd["state"].values() for value in param_state.values()]
+            if rank0_only and any(isinstance(value, DTensor) or is_sharded_tensor(value) for value in values):
+                raise ValueError("A full optimizer state dict holds plain tensors; pass "
+                                 "what full_optim_state_dict / FULL optim_state_dict returned")
+    from_rank0 = rank0_only and bool(groups)
+    received: dict[tuple[str, str], DTensor] = {}
+    if from_rank0:
+        osd, received = _scatter_from_rank0(osd, index, groups[0])
     state: dict[ParamKey, Any] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        state[index.key_of[param]] = {state_name: value if converted else _import_value(value, param)
-                                      for state_name, value in param_state.items()}
-    param_groups = []
-    for saved, current in zip(osd["param_groups"], index.groups):
-        group_out = copy.deepcopy({key: value for key, value in saved.items() if key != "params"})
-        group_out["params"] = sorted(index.key_of[param] for param in current)  # FSDP1 sorts them
-        param_groups.append(group_out)
+        state[index.key_of[param]] = converted = {}
+        for state_name, value in param_state.items():
+            if (name, state_name) in received:
+                converted[state_name] = received[name, state_name]
+                continue
+            if from_rank0 and _sent_apart(value):  # broadcast, converted as it arrives (one at a time)
+                value = broadcast_tensor(value, groups[0], communication_device(groups[0]))
+            converted[state_name] = _import_value(value, param)
+    param_groups = [{**_hyper_parameters(saved), "params": sorted(index.key_of[param] for param in current)}
+                    for saved, current in zip(osd["param_groups"], index.groups)]  # FSDP1 sorts ``params``
     return {"state": state, "param_groups": param_groups}
 
 
-# ---------------------------------------------------------------------------------------------
-# Public API (bound as static methods of FullyShardedDataParallel)
-# ---------------------------------------------------------------------------------------------
+# Public API (bound as static methods of FullyShardedDataParallel).
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: OptimInput = None,
                           rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
@@ -561,8 +463,7 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_
     in favour of :func:`optim_state_dict`). With ``rank0_only`` other ranks get ``{}``."""
     _warn_legacy("full_optim_state_dict", "optim_state_dict")
     _warn_optim_input(optim_input)
-    _orig_params.rebind_optimizer(optim)
-    return _export(model, optim, optim.state_dict(), sharded=False, rank0_only=rank0_only,
+    return _export(model, optim, None, sharded=False, rank0_only=rank0_only,
                    offload=True, group=group, optim_input=optim_input)
 
 
@@ -570,8 +471,7 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                              group: Any = None) -> dict[str, Any]:
     """This rank's shards of the optimizer state (DTensors on CPU) keyed by parameter names."""
     _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
-    _orig_params.rebind_optimizer(optim)
-    return _export(model, optim, optim.state_dict(), sharded=True, rank0_only=False,
+    return _export(model, optim, None, sharded=True, rank0_only=False,
                    offload=True, group=group)
 
 
@@ -618,14 +518,12 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
     if optim_state_key_type not in (OptimStateKeyType.PARAM_NAME, OptimStateKeyType.PARAM_ID):
         raise AssertionError(f"Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
                              f"{optim_state_key_type}; pass OptimStateKeyType.PARAM_NAME or PARAM_ID")
-    keys = list(optim_state_dict["state"])
-    by_name = [isinstance(key, str) for key in keys]
-    by_id = [isinstance(key, int) for key in keys]
-    if (any(by_name) and not all(by_name)) or (any(by_id) and not all(by_id)):
+    key_kinds = {(isinstance(key, str), isinstance(key, int)) for key in optim_state_dict["state"]}
+    if len(key_kinds) > 1:
         raise ValueError(f"Invalid parameter keys: {optim_state_dict['state'].keys()}; a state "
                          "dict is keyed by parameter names only or by parameter ids only")
     to_names = optim_state_key_type == OptimStateKeyType.PARAM_NAME
-    if (to_names and all(by_name)) or (not to_names and all(by_id)):
+    if key_kinds <= {(to_names, not to_names)}:  # keyed as requested already (or empty)
         return optim_state_dict
     index = _param_index(model, optim, optim_input)
     mapping: dict[ParamKey, ParamKey]
@@ -633,20 +531,16 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
         mapping = {key: index.fqn_of[param] for key, param in index.param_of_key.items()}
     else:
         mapping = {index.fqn_of[param]: key for param, key in index.key_of.items()}
-    return _rekeyed(optim_state_dict, mapping)
-
-
-def _rekeyed(osd: Mapping[str, Any], mapping: dict[ParamKey, ParamKey]) -> dict[str, Any]:
-    """``osd`` with every parameter key translated by ``mapping`` (``KeyError`` if one is not)."""
-    used = list(osd["state"]) + [key for group in osd["param_groups"] for key in group["params"]]
+    used = list(optim_state_dict["state"]) + [key for group in optim_state_dict["param_groups"]
+                                              for key in group["params"]]
     unknown = sorted({str(key) for key in used if key not in mapping})
     if unknown:
         raise KeyError(f"Parameter keys {unknown[:10]} name no parameter of this model's optimizer; "
                        "is the state dict from another model, or the optimizer built differently?")
-    param_groups = copy.deepcopy(osd["param_groups"])
+    param_groups = copy.deepcopy(optim_state_dict["param_groups"])
     for group in param_groups:
         group["params"] = sorted(mapping[key] for key in group["params"])
-    return {"state": {mapping[key]: value for key, value in osd["state"].items()},
+    return {"state": {mapping[key]: value for key, value in optim_state_dict["state"].items()},
             "param_groups": param_groups}
 
 
@@ -661,10 +555,8 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     """
     settings = _state_dict.get_state_dict_type(model)
     config = settings.optim_state_dict_config
-    _orig_params.rebind_optimizer(optim)
-    source = optim.state_dict() if optim_state_dict is None else optim_state_dict
     full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
-    return _export(model, optim, source, sharded=not full,
+    return _export(model, optim, optim_state_dict, sharded=not full,
                    rank0_only=full and getattr(config, "rank0_only", False),
                    offload=getattr(config, "offload_to_cpu", True), group=group)
 

@@ -1,15 +1,13 @@
 """What an optimizer keeps per parameter, so that a loaded state can always be stepped.
 
-``optim.load_state_dict`` accepts any per-parameter dict and fails only later (``Adam.__setstate__``
+``optim.load_state_dict`` takes any per-parameter dict and fails only later (``Adam.__setstate__``
 raises ``KeyError: 'step'`` after the state was replaced; a ``None`` or 0-d ``exp_avg`` fails at the
-next step). Which state names an optimizer keeps, and which of them are tensors of the
-parameter's shape, 0-d tensors or plain values, depends on its class and hyper-parameters
-(``amsgrad`` adds ``max_exp_avg_sq``; ``momentum=0`` keeps nothing). It is learned by stepping a
-throw-away instance of the same class, with the hyper-parameters the optimizer will have after
-the load (the saved ``param_groups``), once on a tiny zero-gradient tensor of each dimensionality
-(measured at 0.3-0.7 ms per group and dimensionality for SGD / AdamW on CPU). The optimizer's own
-state would be free to read, but may come from other hyper-parameters (``amsgrad``), or not exist
-yet (a fresh optimizer before resuming).
+next step). What is kept (names; parameter-shaped, 0-d or other tensors; plain values) depends on
+the class and hyper-parameters (``amsgrad`` adds ``max_exp_avg_sq``; ``momentum=0`` keeps nothing),
+so it is learned by stepping a throw-away instance with the hyper-parameters the load installs (the
+saved ``param_groups``) on a tiny zero-gradient tensor of each dimensionality (0.3-0.7 ms per group
+and dimensionality for SGD / AdamW on CPU). The optimizer's own state may come from other
+hyper-parameters, or not exist yet (a fresh optimizer before resuming).
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ from typing import Any
 import torch
 
 from ._tensor_layout import is_sharded_tensor
-
-__all__ = ["StateKinds", "check_state_kinds", "learn_state_kinds"]
 
 # name -> "param" (tensor of the parameter's shape), "scalar" (0-d tensor), "tensor" (another
 # shape) or "value" (not a tensor)
@@ -110,7 +106,7 @@ def check_state_kinds(fqn: str, param_state: Mapping[str, Any], shape: tuple[int
 
 
 def _kind(value: Any, shape: tuple[int, ...]) -> str:
-    if not _is_tensor_like(value):
+    if not is_tensor_like(value):
         return "value"
     if len(value.shape) == 0:
         return "scalar"
@@ -118,10 +114,10 @@ def _kind(value: Any, shape: tuple[int, ...]) -> str:
 
 
 def _described(value: Any) -> str:
-    if not _is_tensor_like(value):
+    if not is_tensor_like(value):
         return f"{value!r} ({type(value).__name__})"
     return f"a tensor of shape {tuple(value.shape)}"
 
 
-def _is_tensor_like(value: Any) -> bool:
+def is_tensor_like(value: Any) -> bool:
     return torch.is_tensor(value) or is_sharded_tensor(value)
