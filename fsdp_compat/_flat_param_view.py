@@ -33,6 +33,10 @@ class FlatParamView:
         return [param.to_local() for param in self._params()]
 
     @property
+    def flat_param(self) -> FlatParamView:  # FSDP1 code reaches the flat parameter as ``_handle.flat_param``
+        return self
+
+    @property
     def dtype(self) -> torch.dtype:
         """The narrowest floating-point dtype of the unit's parameters (FSDP1 has one per unit; the
         engine allows frozen ones of another), so ``dtype != torch.float32`` still tells whether any

@@ -646,6 +646,20 @@ def test_unit_without_parameters_has_no_flat_param():
     assert ours[0] == [False, True, True]
 
 
+def handle_reaches_flat_param(ours: bool) -> list[bool]:
+    fsdp_class = FSDP if ours else diff.TorchFSDP
+    wrapped = fsdp_class(diff.make_model(), auto_wrap_policy=diff.block_policy_torch(), **wrapper_kwargs(ours))
+    return [m._handle.flat_param is m._flat_param for m in fsdp_class.fsdp_modules(wrapped)]
+
+
+@distributed_test(world_size=2)
+def test_handle_flat_param_is_the_flat_param():
+    ours = handle_reaches_flat_param(True)
+    assert ours and all(ours)
+    if diff.HAVE_FSDP1:
+        assert ours == handle_reaches_flat_param(False)
+
+
 @distributed_test(world_size=2)
 def test_flat_param_view_errors_and_values():
     wrapped = FSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch())
