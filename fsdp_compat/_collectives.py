@@ -43,9 +43,10 @@ def same_on_all_ranks(value: Any, group: Any = None) -> bool:
 
 
 # Exception types an agreement re-raises on the ranks whose own checks passed (the failing rank's
-# type, so that ``except KeyError`` works everywhere); others become RuntimeError.
-_AGREED_TYPES: tuple[type[Exception], ...] = (RuntimeError, ValueError, KeyError, TypeError, AssertionError,
-                                              IndexError, NotImplementedError)
+# type, so that ``except KeyError`` works everywhere); any other becomes RuntimeError. A subclass
+# comes before its base (NotImplementedError is a RuntimeError).
+_AGREED_TYPES: tuple[type[Exception], ...] = (NotImplementedError, RuntimeError, ValueError, KeyError, TypeError,
+                                              AssertionError, IndexError)
 _MESSAGE_BYTES = 2048  # how much of the failing rank's message the other ranks repeat
 
 
@@ -99,11 +100,9 @@ def ranks_where(flag: bool, groups: Sequence[Any]) -> list[int]:
 
 
 def _failed_ranks(error: Exception | None, groups: Sequence[Any]) -> tuple[list[int], int]:
-    """Global ranks whose checks failed, and the index in ``_AGREED_TYPES`` of the lowest one's
-    type (the first it is an instance of; plain ``RuntimeError`` for any other type)."""
+    """Global ranks whose checks failed, and the index in ``_AGREED_TYPES`` of the lowest one's type."""
     code = 0 if error is None else 1 + next(
-        (index for index, kind in enumerate(_AGREED_TYPES)
-         if isinstance(error, kind) and (kind is not RuntimeError or type(error) is RuntimeError)), 0)
+        (index for index, kind in enumerate(_AGREED_TYPES) if isinstance(error, kind)), 1)
     codes = _per_rank(code, groups)
     failed = codes.nonzero().flatten().tolist()
     return failed, (int(codes[failed[0]]) - 1 if failed else 0)

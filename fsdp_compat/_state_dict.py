@@ -81,27 +81,20 @@ def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_d
         optim_state_dict_config = _exact_config(optim_state_dict_config, OptimStateDictConfig,
                                                 optim_config_class, "optim_state_dict_config")
         previous = _previous_settings(units)
-    return _apply_settings(units, state_dict_type, state_dict_config, optim_state_dict_config, previous)
+    restore_state_dict_type(units, StateDictSettings(state_dict_type, state_dict_config, optim_state_dict_config))
+    return previous
 
 
 def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings) -> None:
-    """Put back on ``units`` what :func:`set_state_dict_type_on` returned (``state_dict_type``'s
-    exit). The values were checked and agreed on when they were set, so this is local: a rank
-    leaving the context by an exception does not wait for the others."""
+    """Put ``settings`` on ``units``: what :func:`set_state_dict_type_on` does once they are
+    checked, and all the ``state_dict_type`` context's exit does (with what it returned). Local: a
+    rank leaving the context by an exception does not wait for the others."""
     if settings.state_dict_type is None:
         return
-    _apply_settings(units, settings.state_dict_type, settings.state_dict_config,
-                    settings.optim_state_dict_config, settings)
-
-
-def _apply_settings(units: list[UnitState], state_dict_type: StateDictType,
-                    state_dict_config: StateDictConfig, optim_state_dict_config: OptimStateDictConfig,
-                    previous: StateDictSettings) -> StateDictSettings:
     for unit in units:
-        unit.state_dict_type = state_dict_type
-        unit.state_dict_config = state_dict_config
-        unit.optim_state_dict_config = optim_state_dict_config
-    return previous
+        unit.state_dict_type = settings.state_dict_type
+        unit.state_dict_config = settings.state_dict_config
+        unit.optim_state_dict_config = settings.optim_state_dict_config
 
 
 def _exact_config(config: Any, base: type, expected: type, argument: str) -> Any:

@@ -19,22 +19,6 @@ from ._collectives import communication_device
 from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, local_tensor, sharded_tensor_group
 from ._full_tensors import GatherBuffer, engine_local_rows, engine_rows_of_ranks, gather_full_tensors
 
-__all__ = [
-    "TensorSpec",
-    "broadcast_tensor",
-    "copy_to",
-    "full_tensors",
-    "is_replicated_only",
-    "is_sharded_tensor",
-    "local_copy",
-    "same_layout",
-    "scatter_like",
-    "scatterable",
-    "shard_like",
-    "to_full",
-    "to_layout_of",
-]
-
 
 def is_sharded_tensor(value: Any) -> bool:
     """Whether ``value`` is FSDP1's (deprecated) ``ShardedTensor``."""
@@ -104,28 +88,26 @@ def scatter_like(fulls: list[torch.Tensor] | None, likes: list[DTensor], dtype: 
     broadcast would send everyone all of it, and one collective per tensor costs more than the
     bytes on small tensors. The received pieces are views of one new buffer. A collective."""
     rows = [cast(list[tuple[int, int]], engine_rows_of_ranks(like, group)) for like in likes]
-    row_numels = [math.prod(like.shape[1:]) for like in likes]
     # gloo scatters equal sizes: each tensor gets a slot of its longest piece on every rank.
-    slots = [max(count for _, count in ranks) * numel for ranks, numel in zip(rows, row_numels)]
+    slots = [max(count for _, count in ranks) * math.prod(like.shape[1:]) for ranks, like in zip(rows, likes)]
     device = communication_device(group)
     pieces = None
     if fulls is not None:
         pieces = [torch.empty(sum(slots), dtype=dtype, device=device) for _ in range(group.size())]
         for rank, piece in enumerate(pieces):
-            offset = 0
-            for full, ranks, numel, slot in zip(fulls, rows, row_numels, slots):
+            for full, ranks, slot in zip(fulls, rows, piece.split(slots)):
                 start, count = ranks[rank]
-                piece[offset:offset + count * numel].view(count, *full.shape[1:]).copy_(full[start:start + count])
-                offset += slot
+                _first_rows(slot, count, full.shape).copy_(full[start:start + count])
     received = torch.empty(sum(slots), dtype=dtype, device=device)
     dist.scatter(received, pieces, group_src=0, group=group)
-    me, offset, out = dist.get_rank(group), 0, []
-    for like, ranks, numel, slot in zip(likes, rows, row_numels, slots):
-        count = ranks[me][1]
-        local = received[offset:offset + count * numel].view(count, *like.shape[1:])
-        out.append(dtensor_like(local.to(local_tensor(like).device), like))
-        offset += slot
-    return out
+    me = dist.get_rank(group)
+    return [dtensor_like(_first_rows(slot, ranks[me][1], like.shape).to(local_tensor(like).device), like)
+            for like, ranks, slot in zip(likes, rows, received.split(slots))]
+
+
+def _first_rows(flat: torch.Tensor, count: int, shape: torch.Size) -> torch.Tensor:
+    """The start of ``flat`` as ``count`` rows of a tensor of ``shape``."""
+    return flat[:count * math.prod(shape[1:])].view(count, *shape[1:])
 
 
 @dataclasses.dataclass(frozen=True)
