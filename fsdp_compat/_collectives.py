@@ -20,8 +20,8 @@ def communication_device(group: Any = None) -> torch.device:
 
 
 def broadcast_object(value: Any, group: Any = None, source_group_rank: int = 0) -> Any:
-    """``value`` from the rank ``source_group_rank`` of ``group`` on every rank of ``group``
-    (two broadcasts: size, then payload). The source gets ``value`` itself back."""
+    """``value`` from ``group``'s rank ``source_group_rank`` on all its ranks (the source gets ``value``
+    itself back). Two broadcasts: size, then payload."""
     objects = [value if dist.get_rank(group) == source_group_rank else None]
     dist.broadcast_object_list(objects, group=group, group_src=source_group_rank,
                                device=communication_device(group))
@@ -29,11 +29,8 @@ def broadcast_object(value: Any, group: Any = None, source_group_rank: int = 0) 
 
 
 def same_on_all_ranks(value: Any, group: Any = None) -> bool:
-    """Whether every rank of ``group`` holds an equal (pickled-identical) ``value``: compares digests.
-
-    One all-gather of fixed-size digests; ``dist.all_gather_object`` would need two (sizes, then
-    payloads) and send whole objects.
-    """
+    """Whether every rank of ``group`` holds a pickled-identical ``value``: one all-gather of
+    digests, where ``dist.all_gather_object`` needs two (sizes, then payloads) of whole objects."""
     device = communication_device(group)
     digest = torch.tensor(list(hashlib.sha256(pickle.dumps(value)).digest()), dtype=torch.uint8,
                           device=device)
@@ -57,15 +54,11 @@ def mesh_groups(mesh: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> Iterator[None]:
-    """Run the enclosed checks on every rank; if they raise on any rank of ``groups``, raise on all.
-
-    A check that fails on one rank only (rank-divergent input) would otherwise leave the other
-    ranks waiting in the next collective. The failing rank re-raises its own exception; the
-    others raise one of the same type saying ``"{subject} is invalid on rank(s) [...]"``, with
-    the first failing rank's message, and ``consequence`` (what was left untouched). ``groups``
-    together span every rank concerned (a mesh's per-dimension groups, or one group); one small
-    all-reduce per group when everything passed. Without a process group, checks run locally.
-    """
+    """If the enclosed checks raise on any rank of ``groups`` (which together span every rank
+    concerned), raise on all: a check failing on one rank only would leave the others waiting in
+    the next collective. The failing rank re-raises its own exception; the others one of its type,
+    ``"{subject} is invalid on rank(s) [...]"`` with the first failing rank's message and
+    ``consequence``. Costs one small all-reduce per group when all passed."""
     error: Exception | None = None
     try:
         yield
@@ -85,8 +78,8 @@ def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> It
 
 
 def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:
-    """Every global rank's ``value`` across ``groups`` (a CPU tensor indexed by rank): one small
-    all-reduce along each group in turn reaches every rank the groups span."""
+    """Every global rank's ``value`` (a CPU tensor indexed by rank): an all-reduce along each
+    group in turn reaches every rank the groups span."""
     values = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=communication_device(groups[0]))
     values[dist.get_rank()] = value
     for group in groups:

@@ -51,12 +51,8 @@ _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
 }
 
 
-def set_state_dict_type(
-    module: nn.Module,
-    state_dict_type: Any,
-    state_dict_config: Any = None,
-    optim_state_dict_config: Any = None,
-) -> StateDictSettings:
+def set_state_dict_type(module: nn.Module, state_dict_type: Any, state_dict_config: Any = None,
+                        optim_state_dict_config: Any = None) -> StateDictSettings:
     """Set the type and configs on every wrapper in ``module``; return the previous settings.
 
     As FSDP1: a config of the wrong class raises ``RuntimeError``; a module without wrappers is
@@ -187,7 +183,7 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
     return result
 
 
-def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:
+def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:  # other ranks keep nothing
     return getattr(config, "rank0_only", False) and rank != 0
 
 
@@ -195,10 +191,9 @@ def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictCon
                             rank: int) -> dict[int, torch.Tensor]:
     """id(sharded parameter) -> full copy for FULL entries, one collective per unit.
 
-    Each unit's result is offloaded (``offload_to_cpu``) or dropped (other ranks under
-    ``rank0_only``) before the next unit is gathered, so at most one unit's full parameters sit
-    on the device at a time. Summoned units are skipped: their full values are already on the
-    modules (and under ``rank0_only`` only some ranks have them, so a collective could not match).
+    Each unit's result is offloaded or dropped (``rank0_only``) before the next is gathered: at
+    most one unit's full parameters are on the device at a time. Summoned units are skipped: their
+    full values are on the modules (under ``rank0_only``, on some ranks only: no collective could match).
     """
     by_unit: dict[int, tuple[UnitState, StateDictConfig, dict[int, DTensor]]] = {}
     for entry, entry_type, config in plans:
@@ -209,8 +204,6 @@ def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictCon
     full: dict[int, torch.Tensor] = {}
     buffer = GatherBuffer()  # one for all units: a fresh one each costs as much as the copy
     for unit, config, tensors in by_unit.values():
-        # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
-        # keep nothing only take part in the collective.
         gathered = gather_full_tensors(list(tensors.values()), unit.compute_device,
                                        out_device=torch.device("cpu") if config.offload_to_cpu else None,
                                        keep=not _only_rank0_keeps(config, rank), buffer=buffer)
