@@ -68,13 +68,16 @@ def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> It
         if error is not None:
             raise error
         return
-    failed, kind = _failed_ranks(error, groups)
+    kind = next((index for index, agreed in enumerate(_AGREED_TYPES) if isinstance(error, agreed)), 1)
+    codes = _per_rank(0 if error is None else 1 + kind, groups)  # 0: this rank's checks passed
+    failed = codes.nonzero().flatten().tolist()
     if not failed:
         return
     message = _first_failure_message(error if dist.get_rank() == failed[0] else None, groups)
     if error is not None:
         raise error
-    raise _AGREED_TYPES[kind](f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
+    raise _AGREED_TYPES[int(codes[failed[0]]) - 1](
+        f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
 
 
 def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:
@@ -90,15 +93,6 @@ def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:
 def ranks_where(flag: bool, groups: Sequence[Any]) -> list[int]:
     """Global ranks, across ``groups``, on which ``flag`` is set."""
     return _per_rank(int(flag), groups).nonzero().flatten().tolist()
-
-
-def _failed_ranks(error: Exception | None, groups: Sequence[Any]) -> tuple[list[int], int]:
-    """Global ranks whose checks failed, and the index in ``_AGREED_TYPES`` of the lowest one's type."""
-    code = 0 if error is None else 1 + next(
-        (index for index, kind in enumerate(_AGREED_TYPES) if isinstance(error, kind)), 1)
-    codes = _per_rank(code, groups)
-    failed = codes.nonzero().flatten().tolist()
-    return failed, (int(codes[failed[0]]) - 1 if failed else 0)
 
 
 def _first_failure_message(error: Exception | None, groups: Sequence[Any]) -> str:

@@ -119,20 +119,16 @@ def _forget_wrapped_missing_keys(wrapper: nn.Module, incompatible_keys: Incompat
 def _shards_registered(units: list[UnitState]) -> Iterator[None]:
     """The engine's post-load hooks re-read each parameter's registration and expect its shard;
     summoned units show full parameters instead, so their shards stand in during the load."""
-    swapped = []
-    for unit in units:
-        if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
-            continue
-        for sharded, slots in _engine.unit_param_slots(unit.module):
-            shown = getattr(*slots[0])
-            if shown is not sharded:
-                swapped.append((slots, shown))
-                for module, attr in slots:
-                    _engine.register_param(module, attr, sharded)
+    swapped = [(slots, sharded, getattr(*slots[0])) for unit in units
+               if unit.training_state == TrainingState.SUMMON_FULL_PARAMS
+               for sharded, slots in _engine.unit_param_slots(unit.module) if getattr(*slots[0]) is not sharded]
+    for slots, sharded, _ in swapped:
+        for module, attr in slots:
+            _engine.register_param(module, attr, sharded)
     try:
         yield
     finally:
-        for slots, shown in swapped:
+        for slots, _, shown in swapped:
             for module, attr in slots:
                 _engine.register_param(module, attr, shown)
 

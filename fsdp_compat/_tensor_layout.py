@@ -134,13 +134,19 @@ def broadcast_tensor(value: torch.Tensor | TensorSpec, group: Any, device: torch
     return tensor
 
 
-def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
-    """Gather an FSDP1 ``ShardedTensor`` on every rank: each shard is broadcast by its owner."""
-    metadata = value.metadata()
+def to_full(value: torch.Tensor) -> torch.Tensor:
+    """Any of the three layouts as a full tensor (collective for DTensor and ShardedTensor: each
+    of a ShardedTensor's shards is broadcast by its owner)."""
+    if isinstance(value, DTensor):
+        return full_tensors([value])[0]
+    if not is_sharded_tensor(value):
+        return value
+    metadata = value.metadata()  # type: ignore[attr-defined]
     group = sharded_tensor_group(value)
     device = communication_device(group)
     dtype = metadata.tensor_properties.dtype
-    mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in value.local_shards()}
+    local_shards = value.local_shards()  # type: ignore[attr-defined]
+    mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in local_shards}
     full = torch.empty(tuple(metadata.size), dtype=dtype, device=device)
     for shard in metadata.shards_metadata:
         if 0 in shard.shard_sizes:
@@ -151,18 +157,8 @@ def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
         buffer = (piece.to(device, copy=True) if piece is not None
                   else torch.empty(shard.shard_sizes, dtype=dtype, device=device))
         dist.broadcast(buffer, group_src=owner, group=group)
-        index = tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))
-        full[index] = buffer
+        full[tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))] = buffer
     return full
-
-
-def to_full(value: torch.Tensor) -> torch.Tensor:
-    """Any of the three layouts as a full tensor (collective for DTensor and ShardedTensor)."""
-    if isinstance(value, DTensor):
-        return full_tensors([value])[0]
-    if is_sharded_tensor(value):
-        return _sharded_tensor_to_full(value)
-    return value
 
 
 def to_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
