@@ -126,20 +126,16 @@ def _previous_settings(units: list[UnitState]) -> StateDictSettings:
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings shared by every wrapper in ``module`` (``None`` without wrappers, as FSDP1);
     ``AssertionError`` if they differ."""
-    settings: StateDictSettings | None = None
-    first: UnitState | None = None
+    settings = None
     for unit in units_in(module):
-        if first is not None and (unit.state_dict_type is first.state_dict_type  # set together: shared
-                                  and unit.state_dict_config is first.state_dict_config
-                                  and unit.optim_state_dict_config is first.optim_state_dict_config):
-            continue
-        current = StateDictSettings(unit.state_dict_type, unit.state_dict_config, unit.optim_state_dict_config)
+        # A tuple compares its items by identity first: units set together compare cheaply.
+        current = (unit.state_dict_type, unit.state_dict_config, unit.optim_state_dict_config)
         if settings is None:
-            settings, first = current, unit
-        elif settings != current:
+            settings = current
+        elif current != settings:
             raise AssertionError(f"All FSDP modules must have the same state dict settings. "
-                                 f"Got {current} and {settings}.")
-    return settings  # type: ignore[return-value]
+                                 f"Got {StateDictSettings(*current)} and {StateDictSettings(*settings)}.")
+    return StateDictSettings(*settings) if settings is not None else None  # type: ignore[return-value]
 
 
 def state_dict(root: UnitState, *args: Any, destination: Any = None,
