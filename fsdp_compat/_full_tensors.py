@@ -101,28 +101,23 @@ def _all_gather_batch(batch: list[DTensor], group: dist.ProcessGroup, device: to
     world_size, rank = group.size(), dist.get_rank(group)
     rows = [math.ceil(t.shape[0] / world_size) for t in batch]
     numels = [r * math.prod(t.shape[1:]) for t, r in zip(batch, rows)]
-    slot = sum(numels)
-    flat_output = buffer.take(world_size * slot, batch[0].dtype, device)
-    by_rank = flat_output.view(world_size, slot)
-    offset = 0
-    for tensor, r, numel in zip(batch, rows, numels):
+    flat_output = buffer.take(world_size * sum(numels), batch[0].dtype, device)
+    by_rank = flat_output.view(world_size, sum(numels))
+    for tensor, r, flat_piece in zip(batch, rows, by_rank[rank].split(numels)):
         local = tensor.to_local().detach()
-        piece = by_rank[rank, offset:offset + numel].view(r, *tensor.shape[1:])
+        piece = flat_piece.view(r, *tensor.shape[1:])
         piece[:local.shape[0]].copy_(local)
         if local.shape[0] < r:
             piece[local.shape[0]:].zero_()  # padding rows (never read back; keeps the buffer defined)
-        offset += numel
     if device.type == "cpu":  # gloo: in place, no staging (module docstring)
         for owner in range(world_size):
             dist.broadcast(by_rank[owner], group_src=owner, group=group)
     else:
         _ALL_GATHER(flat_output, by_rank[rank], group=group)
-    results, offset = [], 0
-    for tensor, r, numel in zip(batch, rows, numels) if keep else ():
-        source = by_rank[:, offset:offset + numel].view(world_size, r, *tensor.shape[1:])
-        results.append(_copy_out(source, tensor.shape, out_device))
-        offset += numel
-    return results
+    if not keep:
+        return []
+    return [_copy_out(source.view(world_size, r, *tensor.shape[1:]), tensor.shape, out_device)
+            for tensor, r, source in zip(batch, rows, by_rank.split(numels, dim=1))]
 
 
 def _copy_out(source: torch.Tensor, shape: torch.Size, out_device: torch.device) -> torch.Tensor:
