@@ -199,14 +199,11 @@ def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> l
 
 def _trial_copy(value: torch.Tensor, target: torch.Tensor) -> None:
     if isinstance(value, DTensor):
-        source: torch.Tensor | None = value.to_local()
+        value = value.to_local()
     elif is_sharded_tensor(value):
         shards = value.local_shards()  # type: ignore[attr-defined]
-        source = shards[0].tensor if shards else None
-    else:
-        source = value
-    if source is None or source.numel() == 0:
-        source = torch.empty(1, dtype=value.dtype, device=source.device if source is not None else "cpu")
+        value = shards[0].tensor if shards else torch.empty(0, dtype=value.dtype)
+    source = value if value.numel() else torch.empty(1, dtype=value.dtype, device=value.device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. complex -> real: the real copy warns once
         torch.empty(1, dtype=target.dtype, device=target.device).copy_(source.reshape(-1)[:1])
