@@ -20,8 +20,8 @@ def communication_device(group: Any = None) -> torch.device:
 
 
 def broadcast_object(value: Any, group: Any = None, source_group_rank: int = 0) -> Any:
-    """``value`` from the rank ``source_group_rank`` of ``group`` on every rank of ``group``
-    (two broadcasts: size, then payload). The source gets ``value`` itself back."""
+    """``value`` from ``group``'s rank ``source_group_rank`` on all its ranks (the source gets ``value``
+    itself back). Two broadcasts: size, then payload."""
     objects = [value if dist.get_rank(group) == source_group_rank else None]
     dist.broadcast_object_list(objects, group=group, group_src=source_group_rank,
                                device=communication_device(group))
@@ -29,11 +29,8 @@ def broadcast_object(value: Any, group: Any = None, source_group_rank: int = 0) 
 
 
 def same_on_all_ranks(value: Any, group: Any = None) -> bool:
-    """Whether every rank of ``group`` holds an equal (pickled-identical) ``value``: compares digests.
-
-    One all-gather of fixed-size digests; ``dist.all_gather_object`` would need two (sizes, then
-    payloads) and send whole objects.
-    """
+    """Whether every rank of ``group`` holds a pickled-identical ``value``: one all-gather of
+    digests, where ``dist.all_gather_object`` needs two (sizes, then payloads) of whole objects."""
     device = communication_device(group)
     digest = torch.tensor(list(hashlib.sha256(pickle.dumps(value)).digest()), dtype=torch.uint8,
                           device=device)
@@ -43,9 +40,10 @@ def same_on_all_ranks(value: Any, group: Any = None) -> bool:
 
 
 # Exception types an agreement re-raises on the ranks whose own checks passed (the failing rank's
-# type, so that ``except KeyError`` works everywhere); others become RuntimeError.
-_AGREED_TYPES: tuple[type[Exception], ...] = (RuntimeError, ValueError, KeyError, TypeError, AssertionError,
-                                              IndexError, NotImplementedError)
+# type, so that ``except KeyError`` works everywhere); any other becomes RuntimeError. A subclass
+# comes before its base (NotImplementedError is a RuntimeError).
+_AGREED_TYPES: tuple[type[Exception], ...] = (NotImplementedError, RuntimeError, ValueError, KeyError, TypeError,
+                                              AssertionError, IndexError)
 _MESSAGE_BYTES = 2048  # how much of the failing rank's message the other ranks repeat
 
 
@@ -56,15 +54,11 @@ def mesh_groups(mesh: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> Iterator[None]:
-    """Run the enclosed checks on every rank; if they raise on any rank of ``groups``, raise on all.
-
-    A check that fails on one rank only (rank-divergent input) would otherwise leave the other
-    ranks waiting in the next collective. The failing rank re-raises its own exception; the
-    others raise one of the same type saying ``"{subject} is invalid on rank(s) [...]"``, with
-    the first failing rank's message, and ``consequence`` (what was left untouched). ``groups``
-    together span every rank concerned (a mesh's per-dimension groups, or one group); one small
-    all-reduce per group when everything passed. Without a process group, checks run locally.
-    """
+    """If the enclosed checks raise on any rank of ``groups`` (which together span every rank
+    concerned), raise on all: a check failing on one rank only would leave the others waiting in
+    the next collective. The failing rank re-raises its own exception; the others one of its type,
+    ``"{subject} is invalid on rank(s) [...]"`` with the first failing rank's message and
+    ``consequence``. Costs one small all-reduce per group when all passed."""
     error: Exception | None = None
     try:
         yield
@@ -74,18 +68,21 @@ def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> It
         if error is not None:
             raise error
         return
-    failed, kind = _failed_ranks(error, groups)
+    kind = next((index for index, agreed in enumerate(_AGREED_TYPES) if isinstance(error, agreed)), 1)
+    codes = _per_rank(0 if error is None else 1 + kind, groups)  # 0: this rank's checks passed
+    failed = codes.nonzero().flatten().tolist()
     if not failed:
         return
     message = _first_failure_message(error if dist.get_rank() == failed[0] else None, groups)
     if error is not None:
         raise error
-    raise _AGREED_TYPES[kind](f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
+    raise _AGREED_TYPES[int(codes[failed[0]]) - 1](
+        f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
 
 
 def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:
-    """Every global rank's ``value`` across ``groups`` (a CPU tensor indexed by rank): one small
-    all-reduce along each group in turn reaches every rank the groups span."""
+    """Every global rank's ``value`` (a CPU tensor indexed by rank): an all-reduce along each
+    group in turn reaches every rank the groups span."""
     values = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=communication_device(groups[0]))
     values[dist.get_rank()] = value
     for group in groups:
@@ -96,17 +93,6 @@ def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:
 def ranks_where(flag: bool, groups: Sequence[Any]) -> list[int]:
     """Global ranks, across ``groups``, on which ``flag`` is set."""
     return _per_rank(int(flag), groups).nonzero().flatten().tolist()
-
-
-def _failed_ranks(error: Exception | None, groups: Sequence[Any]) -> tuple[list[int], int]:
-    """Global ranks whose checks failed, and the index in ``_AGREED_TYPES`` of the lowest one's
-    type (the first it is an instance of; plain ``RuntimeError`` for any other type)."""
-    code = 0 if error is None else 1 + next(
-        (index for index, kind in enumerate(_AGREED_TYPES)
-         if isinstance(error, kind) and (kind is not RuntimeError or type(error) is RuntimeError)), 0)
-    codes = _per_rank(code, groups)
-    failed = codes.nonzero().flatten().tolist()
-    return failed, (int(codes[failed[0]]) - 1 if failed else 0)
 
 
 def _first_failure_message(error: Exception | None, groups: Sequence[Any]) -> str:

@@ -1,15 +1,12 @@
-"""Engine-sharded ``DTensor`` parameters to full tensors and back, without per-parameter collectives.
+"""Engine-sharded ``DTensor`` parameters to full tensors, without per-parameter collectives.
 
-(Single-tensor layout conversions live in ``_tensor_layout``.)
-
-The engine shards each parameter on dim 0 in ``torch.chunk`` pieces (``Shard(0)`` on the last
-mesh dimension, ``Replicate()`` on the replicate dimension of a hybrid mesh). Gathering a whole
-unit therefore needs one all-gather (``DTensor.full_tensor()`` would issue one per parameter,
-several times slower on real models). On CPU it is one in-place broadcast per rank's slot: gloo's
-all-gather stages through a fresh copy of the whole output (4x the CPU time, measured on 48 MB).
-
-We gather from the sharded master parameters, not through the engine's ``unshard()``: that one
-all-gathers in ``MixedPrecision.param_dtype``, while FSDP1's state dicts hold full precision.
+The engine shards each parameter on dim 0 in ``torch.chunk`` pieces (``Shard(0)`` on the last mesh
+dimension, ``Replicate()`` on a hybrid mesh's replicate dimension), so a whole unit gathers in one
+all-gather (``DTensor.full_tensor()`` issues one per parameter, several times slower on real
+models). On CPU it is one in-place broadcast per rank's slot: gloo's all-gather stages through a
+fresh copy of the whole output (4x the CPU time, measured on 48 MB). We gather the sharded master
+parameters, not through the engine's ``unshard()``, which gathers in ``MixedPrecision.param_dtype``
+while FSDP1's state dicts hold full precision.
 """
 
 from __future__ import annotations
@@ -26,9 +23,6 @@ from torch.distributed.tensor import DTensor, Shard
 # torch 2.13 renamed ``all_gather_into_tensor`` (now deprecated, with a warning on every call)
 # to ``all_gather_single``; older torch has only the first.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-__all__ = ["GatherBuffer", "engine_local_rows", "engine_rows_of_ranks", "gather_full_tensors",
-           "sharded_tensor_local_piece"]
 
 
 class GatherBuffer:
@@ -56,36 +50,28 @@ def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
                         buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
     """Full (unsharded) copies of ``tensors``, with one all-gather per process group and dtype.
 
-    Every rank of the tensors' meshes must call this with the same tensors in the same order.
-    ``device`` is where the collective runs (local pieces offloaded to the CPU are moved there);
-    ``out_device`` where the full copies go (default: ``device``; a replicated value stays where
-    its local tensor is): with the CPU there, each value is
-    copied out of the gathered buffer straight to the CPU, so the accelerator never holds more
-    than that one buffer. ``keep=False`` takes part in the collectives and returns ``[]`` (other
-    ranks under ``rank0_only``): nothing beyond the buffer is ever allocated. ``buffer``: the
-    caller's, reused across calls and released by the caller; default: one freed on return.
-
-    Memory: one buffer the size of the largest batch's full tensors (plus padding); the results
-    are the only other new memory.
+    Every rank of the tensors' meshes calls this with the same tensors in the same order.
+    ``device``: where the collective runs. ``out_device``: where the copies go (default: ``device``;
+    a replicated value stays with its local tensor); with the CPU there, each value goes from the
+    gathered buffer straight to the CPU, so the accelerator never holds more than that buffer.
+    ``keep=False`` takes part in the collectives and returns ``[]`` (other ranks under
+    ``rank0_only``), allocating nothing beyond the buffer. ``buffer``: the caller's, reused across
+    calls and released by the caller; default: one freed on return.
     """
     results: list[torch.Tensor | None] = [None] * len(tensors)
-    batches: dict[tuple[int, torch.dtype], list[int]] = {}
+    batches: dict[tuple[dist.ProcessGroup, torch.dtype], list[int]] = {}
     for index, tensor in enumerate(tensors):
         shard_dim = _engine_shard_mesh_dim(tensor)
-        if shard_dim is None:  # replicated everywhere: the local tensor is the full one
-            local = tensor.to_local().detach()
-            results[index] = local.to(out_device or local.device, copy=True) if keep else None
-        elif shard_dim < 0:  # a layout the engine does not produce: let DTensor work it out
-            full = tensor.full_tensor().detach()
+        if shard_dim is None or shard_dim < 0:  # replicated (the local tensor is full), or not the
+            # engine's layout (DTensor works it out)
+            full = (tensor.to_local() if shard_dim is None else tensor.full_tensor()).detach()
             results[index] = full.to(out_device or full.device, copy=True) if keep else None
         else:
-            group = tensor.device_mesh.get_group(shard_dim)
-            batches.setdefault((id(group), tensor.dtype), []).append(index)
+            batches.setdefault((tensor.device_mesh.get_group(shard_dim), tensor.dtype), []).append(index)
     own_buffer = buffer or GatherBuffer()
-    for indices in batches.values():
-        batch = [tensors[i] for i in indices]
-        group = batch[0].device_mesh.get_group(_engine_shard_mesh_dim(batch[0]))
-        fulls = _all_gather_batch(batch, group, device, out_device or device, keep, own_buffer)
+    for (group, _), indices in batches.items():
+        fulls = _all_gather_batch([tensors[i] for i in indices], group, device, out_device or device, keep,
+                                  own_buffer)
         for i, full in zip(indices, fulls):
             results[i] = full
     if buffer is None:
@@ -115,43 +101,34 @@ def _all_gather_batch(batch: list[DTensor], group: dist.ProcessGroup, device: to
     world_size, rank = group.size(), dist.get_rank(group)
     rows = [math.ceil(t.shape[0] / world_size) for t in batch]
     numels = [r * math.prod(t.shape[1:]) for t, r in zip(batch, rows)]
-    slot = sum(numels)
-    flat_output = buffer.take(world_size * slot, batch[0].dtype, device)
-    by_rank = flat_output.view(world_size, slot)
-    offset = 0
-    for tensor, r, numel in zip(batch, rows, numels):
+    flat_output = buffer.take(world_size * sum(numels), batch[0].dtype, device)
+    by_rank = flat_output.view(world_size, sum(numels))
+    for tensor, r, flat_piece in zip(batch, rows, by_rank[rank].split(numels)):
         local = tensor.to_local().detach()
-        piece = by_rank[rank, offset:offset + numel].view(r, *tensor.shape[1:])
+        piece = flat_piece.view(r, *tensor.shape[1:])
         piece[:local.shape[0]].copy_(local)
         if local.shape[0] < r:
             piece[local.shape[0]:].zero_()  # padding rows (never read back; keeps the buffer defined)
-        offset += numel
     if device.type == "cpu":  # gloo: in place, no staging (module docstring)
         for owner in range(world_size):
             dist.broadcast(by_rank[owner], group_src=owner, group=group)
     else:
         _ALL_GATHER(flat_output, by_rank[rank], group=group)
-    results, offset = [], 0
-    for tensor, r, numel in zip(batch, rows, numels) if keep else ():
-        source = by_rank[:, offset:offset + numel].view(world_size, r, *tensor.shape[1:])
-        results.append(_copy_out(source, tensor.shape, out_device))
-        offset += numel
-    return results
+    if not keep:
+        return []
+    return [_copy_out(source.view(world_size, r, *tensor.shape[1:]), tensor.shape, out_device)
+            for tensor, r, source in zip(batch, rows, by_rank.split(numels, dim=1))]
 
 
 def _copy_out(source: torch.Tensor, shape: torch.Size, out_device: torch.device) -> torch.Tensor:
     """``source`` (``[world, rows, ...]``: each rank's padded piece) as one new full tensor of
-    ``shape``: one copy when the rows divide evenly, else one per rank (the last ones short)."""
-    world_size, rows = source.shape[0], source.shape[1]
+    ``shape``. ``torch.chunk`` pieces are all whole but the last non-empty one: two copies at most."""
     full = torch.empty(shape, dtype=source.dtype, device=out_device)
-    if world_size * rows == shape[0]:
-        full.view(world_size, rows, *shape[1:]).copy_(source)
-        return full
-    for rank in range(world_size):
-        start = rank * rows
-        count = max(0, min(rows, shape[0] - start))
-        if count:
-            full[start:start + count].copy_(source[rank, :count])
+    rows = source.shape[1]
+    whole, rest = divmod(shape[0], rows) if rows else (0, 0)
+    full[:whole * rows].view(whole, rows, *shape[1:]).copy_(source[:whole])
+    if rest:
+        full[whole * rows:].copy_(source[whole, :rest])
     return full
 
 
@@ -160,22 +137,12 @@ def sharded_tensor_local_piece(value: torch.Tensor, like: DTensor) -> torch.Tens
     when the two layouts agree (FSDP1's SHARDED checkpoints at the same world size, whose
     ``torch.chunk`` pieces are the engine's); else ``None`` (the caller gathers instead)."""
     local = like.to_local()
-    expected_offset = _local_dim0_offset(like, _engine_shard_mesh_dim(like))
+    rows = engine_local_rows(like, local) if local.dim() else None
     for shard in value.local_shards():  # type: ignore[attr-defined]
         offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        if list(sizes) == list(local.shape) and offsets[0] == expected_offset and not any(offsets[1:]):
+        if list(sizes) == list(local.shape) and offsets[0] == (rows[0] if rows else 0) and not any(offsets[1:]):
             return shard.tensor
-    if local.numel() == 0:
-        return local.new_empty(local.shape)
-    return None
-
-
-def _local_dim0_offset(like: DTensor, shard_dim: int | None) -> int:
-    """Row offset of this rank's piece of an engine-sharded DTensor (``_engine_shard_mesh_dim``)."""
-    if shard_dim is None or shard_dim < 0:
-        return 0
-    rank = like.device_mesh.get_coordinate()[shard_dim]  # type: ignore[index]  # cached, unlike get_local_rank
-    return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim))
+    return local.new_empty(local.shape) if local.numel() == 0 else None
 
 
 def engine_local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | None:
@@ -183,9 +150,12 @@ def engine_local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | N
     as the engine lays out parameters (dim-0 ``torch.chunk`` pieces, or replicated); else ``None``.
     Cheaper than DTensor's general local-shape computation, which matters per state tensor."""
     shard_dim = _engine_shard_mesh_dim(like)
-    if shard_dim is not None and shard_dim < 0:
+    if shard_dim is None:
+        return 0, local.shape[0]
+    if shard_dim < 0:
         return None
-    return _local_dim0_offset(like, shard_dim), local.shape[0]
+    rank = like.device_mesh.get_coordinate()[shard_dim]  # type: ignore[index]  # cached, unlike get_local_rank
+    return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim)), local.shape[0]
 
 
 def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]] | None:

@@ -51,12 +51,8 @@ _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
 }
 
 
-def set_state_dict_type(
-    module: nn.Module,
-    state_dict_type: Any,
-    state_dict_config: Any = None,
-    optim_state_dict_config: Any = None,
-) -> StateDictSettings:
+def set_state_dict_type(module: nn.Module, state_dict_type: Any, state_dict_config: Any = None,
+                        optim_state_dict_config: Any = None) -> StateDictSettings:
     """Set the type and configs on every wrapper in ``module``; return the previous settings.
 
     As FSDP1: a config of the wrong class raises ``RuntimeError``; a module without wrappers is
@@ -81,27 +77,20 @@ def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_d
         optim_state_dict_config = _exact_config(optim_state_dict_config, OptimStateDictConfig,
                                                 optim_config_class, "optim_state_dict_config")
         previous = _previous_settings(units)
-    return _apply_settings(units, state_dict_type, state_dict_config, optim_state_dict_config, previous)
+    restore_state_dict_type(units, StateDictSettings(state_dict_type, state_dict_config, optim_state_dict_config))
+    return previous
 
 
 def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings) -> None:
-    """Put back on ``units`` what :func:`set_state_dict_type_on` returned (``state_dict_type``'s
-    exit). The values were checked and agreed on when they were set, so this is local: a rank
-    leaving the context by an exception does not wait for the others."""
+    """Put ``settings`` on ``units``: what :func:`set_state_dict_type_on` does once they are
+    checked, and all the ``state_dict_type`` context's exit does (with what it returned). Local: a
+    rank leaving the context by an exception does not wait for the others."""
     if settings.state_dict_type is None:
         return
-    _apply_settings(units, settings.state_dict_type, settings.state_dict_config,
-                    settings.optim_state_dict_config, settings)
-
-
-def _apply_settings(units: list[UnitState], state_dict_type: StateDictType,
-                    state_dict_config: StateDictConfig, optim_state_dict_config: OptimStateDictConfig,
-                    previous: StateDictSettings) -> StateDictSettings:
     for unit in units:
-        unit.state_dict_type = state_dict_type
-        unit.state_dict_config = state_dict_config
-        unit.optim_state_dict_config = optim_state_dict_config
-    return previous
+        unit.state_dict_type = settings.state_dict_type
+        unit.state_dict_config = settings.state_dict_config
+        unit.optim_state_dict_config = settings.optim_state_dict_config
 
 
 def _exact_config(config: Any, base: type, expected: type, argument: str) -> Any:
@@ -137,20 +126,16 @@ def _previous_settings(units: list[UnitState]) -> StateDictSettings:
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings shared by every wrapper in ``module`` (``None`` without wrappers, as FSDP1);
     ``AssertionError`` if they differ."""
-    settings: StateDictSettings | None = None
-    first: UnitState | None = None
+    settings = None
     for unit in units_in(module):
-        if first is not None and (unit.state_dict_type is first.state_dict_type  # set together: shared
-                                  and unit.state_dict_config is first.state_dict_config
-                                  and unit.optim_state_dict_config is first.optim_state_dict_config):
-            continue
-        current = StateDictSettings(unit.state_dict_type, unit.state_dict_config, unit.optim_state_dict_config)
+        # A tuple compares its items by identity first: units set together compare cheaply.
+        current = (unit.state_dict_type, unit.state_dict_config, unit.optim_state_dict_config)
         if settings is None:
-            settings, first = current, unit
-        elif settings != current:
+            settings = current
+        elif current != settings:
             raise AssertionError(f"All FSDP modules must have the same state dict settings. "
-                                 f"Got {current} and {settings}.")
-    return settings  # type: ignore[return-value]
+                                 f"Got {StateDictSettings(*current)} and {StateDictSettings(*settings)}.")
+    return StateDictSettings(*settings) if settings is not None else None  # type: ignore[return-value]
 
 
 def state_dict(root: UnitState, *args: Any, destination: Any = None,
@@ -194,7 +179,7 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
     return result
 
 
-def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:
+def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:  # other ranks keep nothing
     return getattr(config, "rank0_only", False) and rank != 0
 
 
@@ -202,10 +187,9 @@ def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictCon
                             rank: int) -> dict[int, torch.Tensor]:
     """id(sharded parameter) -> full copy for FULL entries, one collective per unit.
 
-    Each unit's result is offloaded (``offload_to_cpu``) or dropped (other ranks under
-    ``rank0_only``) before the next unit is gathered, so at most one unit's full parameters sit
-    on the device at a time. Summoned units are skipped: their full values are already on the
-    modules (and under ``rank0_only`` only some ranks have them, so a collective could not match).
+    Each unit's result is offloaded or dropped (``rank0_only``) before the next is gathered: at
+    most one unit's full parameters are on the device at a time. Summoned units are skipped: their
+    full values are on the modules (under ``rank0_only``, on some ranks only: no collective could match).
     """
     by_unit: dict[int, tuple[UnitState, StateDictConfig, dict[int, DTensor]]] = {}
     for entry, entry_type, config in plans:
@@ -216,8 +200,6 @@ def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictCon
     full: dict[int, torch.Tensor] = {}
     buffer = GatherBuffer()  # one for all units: a fresh one each costs as much as the copy
     for unit, config, tensors in by_unit.values():
-        # Offloaded values are copied out of the gather buffer straight to the CPU; ranks that
-        # keep nothing only take part in the collective.
         gathered = gather_full_tensors(list(tensors.values()), unit.compute_device,
                                        out_device=torch.device("cpu") if config.offload_to_cpu else None,
                                        keep=not _only_rank0_keeps(config, rank), buffer=buffer)

@@ -1,10 +1,8 @@
 """Loading a model state dict: all of it on every rank, or (raising) nothing anywhere.
 
-Every key, shape and value (tensor-like, castable: one element is trial-copied) is checked on
-every rank before anything is written; ranks agree on the outcome with one all-reduce, so no rank
-copies while another raises. Values are then converted to what the module holds (DTensors laid
-out as the engine's parameters, plain tensors otherwise) and ``nn.Module.load_state_dict`` copies
-them, hooks and extra state included.
+Every key, shape and value (tensor-like, castable: one element is trial-copied) is checked, and
+the ranks agree on the outcome, before anything is written. Values are then converted to what the
+module holds and ``nn.Module.load_state_dict`` copies them, hooks and extra state included.
 """
 
 from __future__ import annotations
@@ -36,12 +34,8 @@ _loading: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_compat_loa
 
 def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
                     strict: bool = True, assign: bool = False) -> IncompatibleKeys:
-    """Load ``state_dict`` into the wrapper: all of it on every rank, or (raising) nothing anywhere.
-
-    Accepted values, whatever the type: plain tensors (full ones; this rank's pieces under
-    LOCAL), ``DTensor`` and ``ShardedTensor`` (any layout). ``strict=False`` reports missing and
-    unexpected keys as ``nn.Module`` does.
-    """
+    """Load ``state_dict`` into the wrapper. Accepted values, whatever the type: plain tensors
+    (full ones; this rank's pieces under LOCAL), ``DTensor`` and ``ShardedTensor`` (any layout)."""
     with _agreement(root):  # input given on one rank only must not leave the others waiting
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
@@ -101,12 +95,9 @@ def _root_loaded_from_outside(wrapper: nn.Module) -> UnitState | None:
 def _load_inside_plain_module(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str,
                               local_metadata: Any, strict: bool, missing_keys: list[str],
                               unexpected_keys: list[str], error_msgs: list[str]) -> None:
-    """``nn.Module.load_state_dict`` of a plain module holding a root wrapper reaches the wrapper
-    with FSDP1's clean keys: load them with ``load_state_dict`` and hand nn.Module none of them.
-
-    Hooks are not told whether the outer load is strict (``strict`` is always True here), so
-    missing and unexpected keys are reported to nn.Module, which raises after copying the rest.
-    """
+    """A plain module's ``load_state_dict`` reaches a root wrapper with FSDP1's clean keys: load
+    them here and hand nn.Module none. Hooks are not told whether the outer load is strict, so
+    missing and unexpected keys go to nn.Module, which raises (if strict) after copying the rest."""
     root = _root_loaded_from_outside(wrapper)
     if root is None:
         return
@@ -128,20 +119,16 @@ def _forget_wrapped_missing_keys(wrapper: nn.Module, incompatible_keys: Incompat
 def _shards_registered(units: list[UnitState]) -> Iterator[None]:
     """The engine's post-load hooks re-read each parameter's registration and expect its shard;
     summoned units show full parameters instead, so their shards stand in during the load."""
-    swapped = []
-    for unit in units:
-        if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
-            continue
-        for sharded, slots in _engine.unit_param_slots(unit.module):
-            shown = getattr(*slots[0])
-            if shown is not sharded:
-                swapped.append((slots, shown))
-                for module, attr in slots:
-                    _engine.register_param(module, attr, sharded)
+    swapped = [(slots, sharded, getattr(*slots[0])) for unit in units
+               if unit.training_state == TrainingState.SUMMON_FULL_PARAMS
+               for sharded, slots in _engine.unit_param_slots(unit.module) if getattr(*slots[0]) is not sharded]
+    for slots, sharded, _ in swapped:
+        for module, attr in slots:
+            _engine.register_param(module, attr, sharded)
     try:
         yield
     finally:
-        for slots, shown in swapped:
+        for slots, _, shown in swapped:
             for module, attr in slots:
                 _engine.register_param(module, attr, shown)
 
@@ -156,13 +143,11 @@ def _as_tensor_if_tensor_like(value: Any) -> Any:
 
 
 def _as_given_by_distributed_checkpoint(state_dict: Mapping[str, Any], entries: list[Entry]) -> Mapping[str, Any]:
-    """What ``set_state_dict`` (torch.distributed.checkpoint) means by the dict it passes us.
-
+    """What ``torch.distributed.checkpoint``'s ``set_state_dict`` means by the dict it passes us.
     With ``full_state_dict`` or ``broadcast_from_rank0`` it adds the model's own tensors under
-    their wrapper-prefixed names next to the clean keys (it lists states by ``named_parameters``):
-    writing a tensor onto itself is a no-op, so they are dropped. (``broadcast_from_rank0``: torch,
-    taking our modules for FSDP1's through the adapter's interop, has broadcast rank 0's values.)
-    """
+    their wrapper-prefixed names (from ``named_parameters``) next to the clean keys: writing a
+    tensor onto itself is a no-op, so they are dropped (under ``broadcast_from_rank0``, torch,
+    taking our modules for FSDP1's, has already broadcast rank 0's values into them)."""
     if _engine.distributed_checkpoint_request() is None:
         return state_dict
     own = {entry.raw_key: entry.value for entry in entries}
@@ -214,14 +199,11 @@ def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> l
 
 def _trial_copy(value: torch.Tensor, target: torch.Tensor) -> None:
     if isinstance(value, DTensor):
-        source: torch.Tensor | None = value.to_local()
+        value = value.to_local()
     elif is_sharded_tensor(value):
         shards = value.local_shards()  # type: ignore[attr-defined]
-        source = shards[0].tensor if shards else None
-    else:
-        source = value
-    if source is None or source.numel() == 0:
-        source = torch.empty(1, dtype=value.dtype, device=source.device if source is not None else "cpu")
+        value = shards[0].tensor if shards else torch.empty(0, dtype=value.dtype)
+    source = value if value.numel() else torch.empty(1, dtype=value.dtype, device=value.device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. complex -> real: the real copy warns once
         torch.empty(1, dtype=target.dtype, device=target.device).copy_(source.reshape(-1)[:1])

@@ -19,22 +19,6 @@ from ._collectives import communication_device
 from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, local_tensor, sharded_tensor_group
 from ._full_tensors import GatherBuffer, engine_local_rows, engine_rows_of_ranks, gather_full_tensors
 
-__all__ = [
-    "TensorSpec",
-    "broadcast_tensor",
-    "copy_to",
-    "full_tensors",
-    "is_replicated_only",
-    "is_sharded_tensor",
-    "local_copy",
-    "same_layout",
-    "scatter_like",
-    "scatterable",
-    "shard_like",
-    "to_full",
-    "to_layout_of",
-]
-
 
 def is_sharded_tensor(value: Any) -> bool:
     """Whether ``value`` is FSDP1's (deprecated) ``ShardedTensor``."""
@@ -104,28 +88,26 @@ def scatter_like(fulls: list[torch.Tensor] | None, likes: list[DTensor], dtype: 
     broadcast would send everyone all of it, and one collective per tensor costs more than the
     bytes on small tensors. The received pieces are views of one new buffer. A collective."""
     rows = [cast(list[tuple[int, int]], engine_rows_of_ranks(like, group)) for like in likes]
-    row_numels = [math.prod(like.shape[1:]) for like in likes]
     # gloo scatters equal sizes: each tensor gets a slot of its longest piece on every rank.
-    slots = [max(count for _, count in ranks) * numel for ranks, numel in zip(rows, row_numels)]
+    slots = [max(count for _, count in ranks) * math.prod(like.shape[1:]) for ranks, like in zip(rows, likes)]
     device = communication_device(group)
     pieces = None
     if fulls is not None:
         pieces = [torch.empty(sum(slots), dtype=dtype, device=device) for _ in range(group.size())]
         for rank, piece in enumerate(pieces):
-            offset = 0
-            for full, ranks, numel, slot in zip(fulls, rows, row_numels, slots):
+            for full, ranks, slot in zip(fulls, rows, piece.split(slots)):
                 start, count = ranks[rank]
-                piece[offset:offset + count * numel].view(count, *full.shape[1:]).copy_(full[start:start + count])
-                offset += slot
+                _first_rows(slot, count, full.shape).copy_(full[start:start + count])
     received = torch.empty(sum(slots), dtype=dtype, device=device)
     dist.scatter(received, pieces, group_src=0, group=group)
-    me, offset, out = dist.get_rank(group), 0, []
-    for like, ranks, numel, slot in zip(likes, rows, row_numels, slots):
-        count = ranks[me][1]
-        local = received[offset:offset + count * numel].view(count, *like.shape[1:])
-        out.append(dtensor_like(local.to(local_tensor(like).device), like))
-        offset += slot
-    return out
+    me = dist.get_rank(group)
+    return [dtensor_like(_first_rows(slot, ranks[me][1], like.shape).to(local_tensor(like).device), like)
+            for like, ranks, slot in zip(likes, rows, received.split(slots))]
+
+
+def _first_rows(flat: torch.Tensor, count: int, shape: torch.Size) -> torch.Tensor:
+    """The start of ``flat`` as ``count`` rows of a tensor of ``shape``."""
+    return flat[:count * math.prod(shape[1:])].view(count, *shape[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +134,19 @@ def broadcast_tensor(value: torch.Tensor | TensorSpec, group: Any, device: torch
     return tensor
 
 
-def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
-    """Gather an FSDP1 ``ShardedTensor`` on every rank: each shard is broadcast by its owner."""
-    metadata = value.metadata()
+def to_full(value: torch.Tensor) -> torch.Tensor:
+    """Any of the three layouts as a full tensor (collective for DTensor and ShardedTensor: each
+    of a ShardedTensor's shards is broadcast by its owner)."""
+    if isinstance(value, DTensor):
+        return full_tensors([value])[0]
+    if not is_sharded_tensor(value):
+        return value
+    metadata = value.metadata()  # type: ignore[attr-defined]
     group = sharded_tensor_group(value)
     device = communication_device(group)
     dtype = metadata.tensor_properties.dtype
-    mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in value.local_shards()}
+    local_shards = value.local_shards()  # type: ignore[attr-defined]
+    mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in local_shards}
     full = torch.empty(tuple(metadata.size), dtype=dtype, device=device)
     for shard in metadata.shards_metadata:
         if 0 in shard.shard_sizes:
@@ -169,18 +157,8 @@ def _sharded_tensor_to_full(value: Any) -> torch.Tensor:
         buffer = (piece.to(device, copy=True) if piece is not None
                   else torch.empty(shard.shard_sizes, dtype=dtype, device=device))
         dist.broadcast(buffer, group_src=owner, group=group)
-        index = tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))
-        full[index] = buffer
+        full[tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))] = buffer
     return full
-
-
-def to_full(value: torch.Tensor) -> torch.Tensor:
-    """Any of the three layouts as a full tensor (collective for DTensor and ShardedTensor)."""
-    if isinstance(value, DTensor):
-        return full_tensors([value])[0]
-    if is_sharded_tensor(value):
-        return _sharded_tensor_to_full(value)
-    return value
 
 
 def to_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
