@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from . import _engine, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
-from ._full_tensors import GatherBuffer
 from ._mesh import flatten_to_1d
 from ._optim_state_kinds import StateKinds, check_state_kinds, is_tensor_like, learn_state_kinds
 from ._tensor_layout import (
+    GatherBuffer,
     TensorSpec,
     broadcast_tensor,
     copy_to,

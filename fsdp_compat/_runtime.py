@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import _engine, _mixed_precision
 from ._collectives import all_ranks_agree, mesh_groups
-from ._full_tensors import gather_full_tensors
+from ._tensor_layout import gather_full_tensors
 from ._common import TrainingState, warn_once
 from ._mesh import HYBRID_STRATEGIES
 from ._unit_state import UnitState, state_of, units_in

@@ -31,11 +31,10 @@ from torch.distributed.tensor import DTensor
 from . import _mixed_precision
 from ._collectives import all_ranks_agree, mesh_groups
 from ._common import clean_module_path
-from ._full_tensors import GatherBuffer, gather_full_tensors
 from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, effective_settings, entries_of,
                                   entry_settings)
 from ._state_dict_load import load_state_dict
-from ._tensor_layout import shard_like
+from ._tensor_layout import GatherBuffer, gather_full_tensors, shard_like
 from ._unit_state import UnitState, units_in
 from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
                   OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,

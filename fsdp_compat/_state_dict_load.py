@@ -22,9 +22,8 @@ from . import _engine, _flat_checkpoint
 from ._collectives import all_ranks_agree, mesh_groups
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
-from ._full_tensors import sharded_tensor_local_piece
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
-from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, to_full
+from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, sharded_tensor_local_piece, to_full
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
