@@ -48,7 +48,6 @@ class _FlatUnit:
     """One unit's flat parameter in a checkpoint, and where its parameters lie in it."""
 
     unit: UnitState
-    key: str  # the state-dict key of the flat parameter
     params: list[DTensor]  # the engine's sharded parameters, in FSDP1's order
     offsets: list[int]  # each one's first element in the flat parameter
     shard_numel: int  # c: elements per rank, padding included
@@ -137,10 +136,14 @@ def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
     if offsets is None:
         return mismatch
     shard_numel = math.ceil(total / unit.world_size)
-    error = _local_shard_error(value, unit.rank, shard_numel, total)
-    if error:
-        return f"{mismatch}; {error}"
-    return _FlatUnit(unit, key, params, offsets, shard_numel, value)
+    start = unit.rank * shard_numel  # this rank's slice is FSDP1's [start, start + valid)
+    valid = max(0, min(shard_numel, total - start))
+    expected = [([start], valid)] if valid else []
+    found = [(list(s.metadata.shard_offsets), s.tensor.numel()) for s in value.local_shards() if s.tensor.numel()]
+    if found != expected:
+        return (f"{mismatch}; this rank (rank {unit.rank} of the unit's group) holds shards (offset, "
+                f"elements) {found} instead of {expected}")
+    return _FlatUnit(unit, params, offsets, shard_numel, value)
 
 
 def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]
@@ -148,13 +151,9 @@ def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.Par
     """The unit's sharded parameters in FSDP1's flattening order: pre-order over all modules
     under the unit's (as FSDP1 walks them), each parameter at its first slot."""
     by_slot = {(id(module), name): sharded for sharded, owners in slots for module, name in owners}
-    ordered: dict[int, DTensor] = {}
-    for module in unit.module.modules():
-        for name, _ in module.named_parameters(recurse=False, remove_duplicate=False):
-            sharded = by_slot.get((id(module), name))
-            if sharded is not None:
-                ordered.setdefault(id(sharded), sharded)
-    return list(ordered.values())
+    walk = [by_slot.get((id(module), name)) for module in unit.module.modules()
+            for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)]
+    return list({id(sharded): sharded for sharded in walk if sharded is not None}.values())
 
 
 def _alignments(unit: UnitState, params: list[DTensor]) -> list[int]:
@@ -178,17 +177,6 @@ def _layout(sizes: list[int], alignment: int, world_size: int) -> tuple[list[int
     return offsets, total
 
 
-def _local_shard_error(value: Any, rank: int, shard_numel: int, total: int) -> str:
-    """Why this rank's local shard is not FSDP1's slice ``[rank*c, rank*c + valid)``, or ''."""
-    start = rank * shard_numel
-    valid = max(0, min(shard_numel, total - start))
-    expected = [([start], valid)] if valid else []
-    found = [(list(s.metadata.shard_offsets), s.tensor.numel()) for s in value.local_shards() if s.tensor.numel()]
-    if found == expected:
-        return ""
-    return f"this rank (rank {rank} of the unit's group) holds shards (offset, elements) {found} instead of {expected}"
-
-
 @torch.no_grad()
 def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
     """``state_dict`` with each flat parameter replaced by its parameters, as DTensors laid out as
@@ -199,7 +187,7 @@ def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: l
         flat = _gather(unit)
         for param, offset in zip(unit.params, unit.offsets):
             values[id(param)] = shard_like(flat[offset:offset + param.numel()].view(param.shape), param)
-    flat_keys = {unit.key for unit in units}
+    flat_keys = flat_unit_paths(state_dict)  # each matched to a unit, else _plan found an error
     result = {key: value for key, value in state_dict.items() if key not in flat_keys}
     result.update((entry.key, values[id(entry.sharded)]) for entry in entries if id(entry.sharded) in values)
     return result

@@ -110,8 +110,6 @@ def has_params(unit: UnitState) -> bool:
 
 def flat_param(unit: UnitState) -> FlatParamView | None:
     """FSDP1's ``_flat_param`` and ``_handle``: ``None`` for a unit without parameters, as in FSDP1."""
-    if not has_params(unit):
-        return None
-    if unit.handle_view is None:
+    if unit.handle_view is None and has_params(unit):
         unit.handle_view = FlatParamView(unit)
     return unit.handle_view

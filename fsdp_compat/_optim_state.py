@@ -79,9 +79,6 @@ class _ParamIndex:
     unit_of: dict[nn.Parameter, int]        # pre-order index of the owning unit (managed only)
     flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
 
-    def fqns(self, params: Iterable[nn.Parameter]) -> list[str]:
-        return [self.fqn_of[param] for param in params]
-
     def in_flat_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """Grouped by flat parameter, as FSDP1 ``use_orig_params=False`` lists them (stable)."""
         return sorted(params, key=lambda param: self.flat_position.get(param, -1))
@@ -90,10 +87,8 @@ class _ParamIndex:
 def _input_groups(model: nn.Module, optim: Any, optim_input: OptimInput) -> list[list[nn.Parameter]]:
     """Parameter groups in id order: from ``optim_input`` if given (FSDP1's deprecated path), else
     from the optimizer, else ``model.parameters()`` (FSDP1's default)."""
-    if optim_input is None and optim is not None:
-        return [list(group["params"]) for group in optim.param_groups]
     if optim_input is None:
-        return [list(model.parameters())]
+        optim_input = optim.param_groups if optim is not None else model.parameters()
     given: list[Any] = list(optim_input)
     if given and isinstance(given[0], dict):
         return [list(group["params"]) for group in given]
@@ -294,7 +289,7 @@ def _named_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]
     params = [index.param_of_key[key] for key in saved["params"]]
     if index.flat_order:
         params = index.in_flat_order(params)
-    return {**_hyper_parameters(saved), "params": index.fqns(params)}
+    return {**_hyper_parameters(saved), "params": [index.fqn_of[param] for param in params]}
 
 
 # Loading: FSDP1 names (FULL / SHARDED / ShardedTensor) -> optimizer ids and engine shards.
@@ -333,7 +328,7 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
                          f"({len(saved_groups)}) than the optimizer ({len(index.groups)}); build the "
                          "optimizer with the same parameter groups as the one that was saved")
     for number, (saved, current) in enumerate(zip(saved_groups, index.groups)):
-        if sorted(saved["params"]) != sorted(index.fqns(current)):
+        if sorted(saved["params"]) != sorted(index.fqn_of[param] for param in current):
             raise ValueError(f"Parameter group {number} of the loaded state dict holds other "
                              f"parameters than the optimizer's group {number}; build the optimizer "
                              "with the same parameter groups as the one that was saved")
@@ -457,6 +452,14 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
 
 # Public API (bound as static methods of FullyShardedDataParallel).
 
+def _configured(model: nn.Module) -> tuple[bool, bool, bool]:
+    """FULL?, rank0_only, offload_to_cpu: as the model's state-dict type and optimizer config set."""
+    settings = _state_dict.get_state_dict_type(model)
+    config = settings.optim_state_dict_config
+    full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
+    return full, full and getattr(config, "rank0_only", False), getattr(config, "offload_to_cpu", True)
+
+
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: OptimInput = None,
                           rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
     """The full (unsharded) optimizer state keyed by parameter names, on CPU (deprecated by FSDP1
@@ -526,11 +529,8 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
     if key_kinds <= {(to_names, not to_names)}:  # keyed as requested already (or empty)
         return optim_state_dict
     index = _param_index(model, optim, optim_input)
-    mapping: dict[ParamKey, ParamKey]
-    if to_names:
-        mapping = {key: index.fqn_of[param] for key, param in index.param_of_key.items()}
-    else:
-        mapping = {index.fqn_of[param]: key for param, key in index.key_of.items()}
+    name_of: dict[ParamKey, ParamKey] = {key: index.fqn_of[param] for param, key in index.key_of.items()}
+    mapping = name_of if to_names else {name: key for key, name in name_of.items()}
     used = list(optim_state_dict["state"]) + [key for group in optim_state_dict["param_groups"]
                                               for key in group["params"]]
     unknown = sorted({str(key) for key in used if key not in mapping})
@@ -553,12 +553,9 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     ranks other than 0 under ``rank0_only``. SHARDED (and LOCAL, as FSDP1): DTensor shards,
     loadable with ``torch.distributed.checkpoint`` at any world size.
     """
-    settings = _state_dict.get_state_dict_type(model)
-    config = settings.optim_state_dict_config
-    full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
-    return _export(model, optim, optim_state_dict, sharded=not full,
-                   rank0_only=full and getattr(config, "rank0_only", False),
-                   offload=getattr(config, "offload_to_cpu", True), group=group)
+    full, rank0_only, offload = _configured(model)
+    return _export(model, optim, optim_state_dict, sharded=not full, rank0_only=rank0_only,
+                   offload=offload, group=group)
 
 
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
@@ -570,10 +567,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
     Under FULL with ``rank0_only``, only rank 0's input is read. The input is validated whole
     before anything is converted, so on error the optimizer is untouched.
     """
-    settings = _state_dict.get_state_dict_type(model)
-    full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
-    rank0_only = full and getattr(settings.optim_state_dict_config, "rank0_only", False)
-    result = _import(model, optim, optim_state_dict, rank0_only=rank0_only, group=group,
+    result = _import(model, optim, optim_state_dict, rank0_only=_configured(model)[1], group=group,
                      named_keys=is_named_optimizer)
     if load_directly:
         optim.load_state_dict(result)

@@ -41,9 +41,20 @@ def learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: tor
     again and again, and stepping the throw-away costs more than converting a small model's state.
     """
     key = _memo_key(optim, hyper_parameters, like)
-    if key is not None and key in _learned:
+    if key in _learned:  # ``None`` (nothing to remember) is never a key
         return _learned[key]
-    kinds = _step_throwaway(optim, hyper_parameters, like)
+    tiny = torch.zeros(_TINY_SIZES[:like.dim()], dtype=like.dtype, device=like.device, requires_grad=True)
+    group = {name: value for name, value in hyper_parameters.items() if name != "params"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            throwaway = type(optim)([{**group, "params": [tiny]}])
+            tiny.grad = torch.zeros_like(tiny)
+            throwaway.step()
+        kinds: StateKinds | None = {name: _kind(value, tuple(tiny.shape))
+                                    for name, value in throwaway.state.get(tiny, {}).items()}
+    except Exception:  # noqa: BLE001 - nothing learned; the structural checks still apply
+        kinds = None
     if key is not None:
         if len(_learned) >= _LEARNED_MAX:
             _learned.clear()
@@ -52,8 +63,8 @@ def learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: tor
 
 
 def _memo_key(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> tuple[Any, ...] | None:
-    """A key for what was learned, or ``None`` when a hyper-parameter is not a plain value (a
-    tensor learning rate, a callable): then nothing is remembered."""
+    """``None`` when a hyper-parameter is not a plain value (a tensor learning rate, a callable):
+    then nothing is remembered."""
     items = []
     for name, value in sorted(hyper_parameters.items(), key=lambda item: item[0]):
         if name == "params":
@@ -64,20 +75,6 @@ def _memo_key(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tenso
             return None
         items.append((name, value))
     return (type(optim), like.dim(), like.dtype, like.device, *items)
-
-
-def _step_throwaway(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> StateKinds | None:
-    tiny = torch.zeros(_TINY_SIZES[:like.dim()], dtype=like.dtype, device=like.device, requires_grad=True)
-    group = {key: value for key, value in hyper_parameters.items() if key != "params"}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            throwaway = type(optim)([{**group, "params": [tiny]}])
-            tiny.grad = torch.zeros_like(tiny)
-            throwaway.step()
-    except Exception:  # noqa: BLE001 - nothing learned; the structural checks still apply
-        return None
-    return {name: _kind(value, tuple(tiny.shape)) for name, value in throwaway.state.get(tiny, {}).items()}
 
 
 def check_state_kinds(fqn: str, param_state: Mapping[str, Any], shape: tuple[int, ...],
