@@ -80,13 +80,14 @@ class _ParamIndex:
     flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
 
     def in_flat_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-        """Grouped by flat parameter, as FSDP1 ``use_orig_params=False`` lists them (stable)."""
+        """Grouped by flat parameter, as FSDP1 ``use_orig_params=False`` lists them (stable: with
+        ``True`` there are no positions, and the order is kept)."""
         return sorted(params, key=lambda param: self.flat_position.get(param, -1))
 
 
 def _input_groups(model: nn.Module, optim: Any, optim_input: OptimInput) -> list[list[nn.Parameter]]:
-    """Parameter groups in id order: from ``optim_input`` if given (FSDP1's deprecated path), else
-    from the optimizer, else ``model.parameters()`` (FSDP1's default)."""
+    """Parameter groups in id order: ``optim_input`` (FSDP1's deprecated path), else the optimizer's,
+    else ``model.parameters()`` (FSDP1's default)."""
     if optim_input is None:
         optim_input = optim.param_groups if optim is not None else model.parameters()
     given: list[Any] = list(optim_input)
@@ -145,12 +146,8 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
 
 
 def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.Parameter]:
-    """The order of FSDP1's ``state`` keys.
-
-    ``use_orig_params=False``: flat-parameter order. ``use_orig_params=True``: FSDP1 sorts names,
-    puts parameters it does not manage (ignored) first, then each unit's parameters together,
-    units in the order of their first sorted name.
-    """
+    """FSDP1's order of ``state`` keys: flat-parameter order with ``use_orig_params=False``; with
+    ``True`` sorted names, unmanaged (ignored) first, each unit's together, units by first name."""
     if index.flat_order:
         return index.in_flat_order(with_state)
     by_name = sorted(with_state, key=lambda param: index.fqn_of[param])
@@ -160,13 +157,9 @@ def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.
 
 
 def _state_name_order(index: _ParamIndex, param: nn.Parameter, state: Mapping[str, Any]) -> list[str]:
-    """The order of one parameter's state names in FSDP1's output.
-
-    FSDP1 rebuilds the per-parameter dict of a parameter it manages from sorted pieces: with
-    ``use_orig_params=False`` tensors, then scalar tensors, then other values; with ``True``
-    (when it gathers: sharded, more than one rank) other values, scalar tensors, then tensors.
-    Otherwise it copies the optimizer's dict, order included.
-    """
+    """FSDP1's order of one parameter's state names. It rebuilds a managed parameter's dict from
+    sorted pieces: tensors, scalar tensors, other values with ``use_orig_params=False``; the
+    reverse with ``True`` when it gathers (split over 2+ ranks). Else the optimizer's order."""
     if param not in index.unit_of or (not index.flat_order and _replicated(param)):
         return list(state)
 
@@ -183,9 +176,8 @@ def _replicated(param: nn.Parameter) -> bool:
     ranks (``NO_SHARD``, or a shard group of one rank)."""
     if not isinstance(param, DTensor):
         return True
-    mesh = param.device_mesh
-    shard_dims = [dim for dim, placement in enumerate(param.placements) if not isinstance(placement, Replicate)]
-    return math.prod(mesh.size(dim) for dim in shard_dims) == 1
+    return math.prod(param.device_mesh.size(dim) for dim, placement in enumerate(param.placements)
+                     if not isinstance(placement, Replicate)) == 1
 
 
 def _model_group(model: nn.Module, group: Any) -> Any:
@@ -218,12 +210,9 @@ def _export_value(value: Any, *, sharded: bool, offload: bool) -> Any:
 
 def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, Any]], *,
                    sharded: bool, offload: bool, keep: bool) -> dict[str, dict[str, Any]]:
-    """Each parameter's state in the saved layout, names in FSDP1's order, as new memory.
-    ``keep=False`` (rank0_only, not rank 0): take part in the gathers, keep nothing.
-
-    FULL gathers one batch per unit and state name (FSDP1 gathers per FlatParameter and state
-    too): a few all-gathers instead of one per tensor, and a gather buffer of one unit's full
-    parameters (not of all its states) beside the output."""
+    """Each parameter's state in the saved layout, in FSDP1's order, as new memory (``keep=False``:
+    gather, keep nothing). FULL gathers per unit and state name, as FSDP1 per FlatParameter and
+    state: few all-gathers, and a gather buffer of one unit's parameters beside the output."""
     batches: dict[tuple[int | None, str], list[tuple[nn.Parameter, str]]] = {}
     for param, state in states.items():
         for name, value in state.items():
@@ -247,9 +236,8 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
 
 def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool,
             rank0_only: bool, offload: bool, group: Any, optim_input: OptimInput = None) -> dict[str, Any]:
-    """``source`` (an ``optim.state_dict()``: ids -> engine shards; default: ``optim``'s) keyed by
-    clean names, FULL or SHARDED. Every rank must call (gathers); with ``rank0_only`` other ranks
-    get ``{}``."""
+    """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED. Every rank
+    must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
     _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
     source = optim.state_dict() if source is None else source
     group = _model_group(model, group)
@@ -284,24 +272,16 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, s
 
 
 def _named_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]:
-    """A saved param group with ``params`` named in FSDP1's order: the optimizer's, or with
-    ``use_orig_params=False`` grouped by flat parameter."""
-    params = [index.param_of_key[key] for key in saved["params"]]
-    if index.flat_order:
-        params = index.in_flat_order(params)
+    """A saved param group with ``params`` named in FSDP1's order."""
+    params = index.in_flat_order(index.param_of_key[key] for key in saved["params"])
     return {**_hyper_parameters(saved), "params": [index.fqn_of[param] for param in params]}
 
 
 # Loading: FSDP1 names (FULL / SHARDED / ShardedTensor) -> optimizer ids and engine shards.
 
 def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
-    """Everything that can be wrong with ``osd`` for this model and optimizer, before any work.
-
-    Exception types are FSDP1's where it raises (``ValueError`` for a missing ``state``,
-    ``KeyError`` for names of another model); where FSDP1 only fails later in
-    ``optim.load_state_dict`` or the next step, the type that raises there (``KeyError`` for a
-    missing state such as ``step``).
-    """
+    """Everything that can be wrong with ``osd``, before any work. Exception types are FSDP1's, or
+    where FSDP1 only fails later (``optim.load_state_dict``, the next step) the type raised there."""
     if not isinstance(osd, Mapping) or "state" not in osd:
         raise ValueError('`optim_state_dict` must have the keys "state" and "param_groups" to be a '
                          "valid optimizer state dict; pass what FSDP.optim_state_dict (or "
@@ -371,40 +351,39 @@ def _import_value(value: Any, param: nn.Parameter) -> Any:
     return to_layout_of(value, param)
 
 
-def _sent_apart(value: Any) -> bool:
-    """Whether rank 0 sends ``value`` after the structure (a tensor that is not a scalar)."""
-    return isinstance(value, TensorSpec) or (torch.is_tensor(value) and value.dim() > 0)
-
-
 def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
-    """``osd`` with every tensor sent apart replaced by a placeholder (cheap to pickle)."""
+    """``osd`` with every tensor but scalars replaced by a placeholder (cheap to pickle)."""
     def strip(value: Any) -> Any:
-        if _sent_apart(value):
-            return TensorSpec.of(value)
-        return value.cpu() if torch.is_tensor(value) else value
+        if not torch.is_tensor(value):
+            return value
+        return TensorSpec.of(value) if value.dim() > 0 else value.cpu()
 
     return {"state": {name: {state_name: strip(value) for state_name, value in param_state.items()}
                       for name, param_state in osd["state"].items()},
             "param_groups": osd["param_groups"]}
 
 
-def _scatter_from_rank0(osd: Any, index: _ParamIndex,
-                        group: Any) -> tuple[Mapping[str, Any], dict[tuple[str, str], DTensor]]:
-    """Rank 0's (validated) ``osd`` on every rank (elsewhere its skeleton: tensors sent apart as
-    placeholders), and each sharded parameter's state in this rank's layout, keyed ``(name, state
-    name)``: one scatter per unit, state name and dtype (each rank receives its rows alone, as
-    FSDP1 batches per flat parameter). A collective."""
+def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, Any], dict[tuple[str, str], Any]]:
+    """Rank 0's (validated) ``osd`` on every rank (elsewhere its skeleton), and each of its
+    non-scalar tensors in this rank's layout, keyed ``(name, state name)``. A sharded parameter's
+    state comes in one scatter per unit, state name and dtype (each rank receives its rows alone,
+    as FSDP1 batches per flat parameter); any other is broadcast and converted as it arrives."""
     is_rank0 = dist.get_rank(group) == 0
     skeleton = broadcast_object(_skeleton(osd) if is_rank0 else None, group)
     batches: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
+    received: dict[tuple[str, str], Any] = {}
     for name, param_state in skeleton["state"].items():
         param = index.param_of_fqn[name]
-        if not scatterable(param, group):  # decided once per parameter, alike on every rank
-            continue
-        for state_name, value in param_state.items():
-            if isinstance(value, TensorSpec):
-                batches.setdefault((index.unit_of.get(param), state_name, value.dtype), []).append((name, state_name))
-    received: dict[tuple[str, str], DTensor] = {}
+        scatter = scatterable(param, group)  # decided once per parameter, alike on every rank
+        for state_name, spec in param_state.items():
+            if not isinstance(spec, TensorSpec):
+                continue
+            if scatter:
+                batches.setdefault((index.unit_of.get(param), state_name, spec.dtype), []).append((name, state_name))
+            else:
+                value = osd["state"][name][state_name] if is_rank0 else spec
+                received[name, state_name] = _import_value(
+                    broadcast_tensor(value, group, communication_device(group)), param)
     for (_, _, dtype), keys in batches.items():
         likes = [cast(DTensor, index.param_of_fqn[name]) for name, _ in keys]
         fulls = [osd["state"][name][state_name] for name, state_name in keys] if is_rank0 else None
@@ -414,11 +393,9 @@ def _scatter_from_rank0(osd: Any, index: _ParamIndex,
 
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
             rank0_only: bool = False, group: Any = None, named_keys: bool = False) -> dict[str, Any]:
-    """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as a state dict that
-    ``optim.load_state_dict`` takes: this optimizer's keys, this model's shards, new memory.
-
-    Every rank validates what it reads (under ``rank0_only`` only rank 0 reads ``osd``) and all
-    ranks agree on the outcome before anything is converted: all raise, or none."""
+    """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as ``optim.load_state_dict``
+    takes it, as new memory. Every rank validates what it reads (only rank 0 under ``rank0_only``)
+    and all agree on the outcome before anything is converted: all raise, or none."""
     groups = [_model_group(model, group)] if dist.is_initialized() else []
     reads_input = not (rank0_only and groups) or dist.get_rank(groups[0]) == 0
     with all_ranks_agree(groups, "The optimizer state dict",
@@ -430,21 +407,15 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
             if rank0_only and any(isinstance(value, DTensor) or is_sharded_tensor(value) for value in values):
                 raise ValueError("A full optimizer state dict holds plain tensors; pass "
                                  "what full_optim_state_dict / FULL optim_state_dict returned")
-    from_rank0 = rank0_only and bool(groups)
-    received: dict[tuple[str, str], DTensor] = {}
-    if from_rank0:
-        osd, received = _scatter_from_rank0(osd, index, groups[0])
+    received: dict[tuple[str, str], Any] = {}
+    if rank0_only and groups:
+        osd, received = _from_rank0(osd, index, groups[0])
     state: dict[ParamKey, Any] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        state[index.key_of[param]] = converted = {}
-        for state_name, value in param_state.items():
-            if (name, state_name) in received:
-                converted[state_name] = received[name, state_name]
-                continue
-            if from_rank0 and _sent_apart(value):  # broadcast, converted as it arrives (one at a time)
-                value = broadcast_tensor(value, groups[0], communication_device(groups[0]))
-            converted[state_name] = _import_value(value, param)
+        state[index.key_of[param]] = {
+            state_name: received[name, state_name] if (name, state_name) in received
+            else _import_value(value, param) for state_name, value in param_state.items()}
     param_groups = [{**_hyper_parameters(saved), "params": sorted(index.key_of[param] for param in current)}
                     for saved, current in zip(osd["param_groups"], index.groups)]  # FSDP1 sorts ``params``
     return {"state": state, "param_groups": param_groups}

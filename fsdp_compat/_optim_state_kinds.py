@@ -2,12 +2,11 @@
 
 ``optim.load_state_dict`` takes any per-parameter dict and fails only later (``Adam.__setstate__``
 raises ``KeyError: 'step'`` after the state was replaced; a ``None`` or 0-d ``exp_avg`` fails at the
-next step). What is kept (names; parameter-shaped, 0-d or other tensors; plain values) depends on
-the class and hyper-parameters (``amsgrad`` adds ``max_exp_avg_sq``; ``momentum=0`` keeps nothing),
-so it is learned by stepping a throw-away instance with the hyper-parameters the load installs (the
-saved ``param_groups``) on a tiny zero-gradient tensor of each dimensionality (0.3-0.7 ms per group
-and dimensionality for SGD / AdamW on CPU). The optimizer's own state may come from other
-hyper-parameters, or not exist yet (a fresh optimizer before resuming).
+next step). What is kept depends on the class and hyper-parameters (``amsgrad`` adds
+``max_exp_avg_sq``; ``momentum=0`` keeps nothing), so it is learned by stepping a throw-away instance
+with the saved ``param_groups`` (which the load installs) on a tiny zero-gradient tensor of each
+dimensionality (0.3-0.7 ms each for SGD / AdamW on CPU): the optimizer's own state may come from
+other hyper-parameters, or not exist yet (a fresh optimizer before resuming).
 """
 
 from __future__ import annotations
@@ -97,7 +96,9 @@ def check_state_kinds(fqn: str, param_state: Mapping[str, Any], shape: tuple[int
         value = param_state[name]
         found = _kind(value, shape)
         if found != kind and not (kind == "tensor" and found == "param"):
-            raise ValueError(f"State {name!r} of {fqn!r} is {_described(value)}, but {optim_name} keeps "
+            described = (f"{value!r} ({type(value).__name__})" if found == "value"
+                         else f"a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"State {name!r} of {fqn!r} is {described}, but {optim_name} keeps "
                              f"{_DESCRIPTIONS[kind].format(shape=shape)} there: it could not be stepped. "
                              "Pass the state dict the optimizer saved, unchanged.")
 
@@ -108,12 +109,6 @@ def _kind(value: Any, shape: tuple[int, ...]) -> str:
     if len(value.shape) == 0:
         return "scalar"
     return "param" if tuple(value.shape) == shape else "tensor"
-
-
-def _described(value: Any) -> str:
-    if not is_tensor_like(value):
-        return f"{value!r} ({type(value).__name__})"
-    return f"a tensor of shape {tuple(value.shape)}"
 
 
 def is_tensor_like(value: Any) -> bool:
