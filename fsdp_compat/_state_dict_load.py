@@ -23,7 +23,7 @@ from ._collectives import all_ranks_agree, mesh_groups
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
-from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, sharded_tensor_local_piece, to_full
+from ._tensor_layout import is_sharded_tensor, to_full, to_layout_of
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
@@ -218,18 +218,12 @@ def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) ->
     rank's piece taken without communication where the layouts allow), else a plain full tensor."""
     if not isinstance(entry.value, torch.Tensor):
         return value
-    if entry.sharded is None or entry.full_visible:
-        return to_full(value)
     sharded = entry.sharded
-    if isinstance(value, DTensor):
-        piece = value.to_local() if same_layout(value, sharded) else None
-    elif is_sharded_tensor(value):
-        piece = sharded_tensor_local_piece(value, sharded)
-    else:
-        piece = value if _is_local_type(entry, state_dict_type) else None
-    if piece is None:
-        return shard_like(to_full(value), sharded)
-    return dtensor_like(piece.to(sharded.to_local().device), sharded)
+    if sharded is None or entry.full_visible:
+        return to_full(value)
+    if _is_local_type(entry, state_dict_type) and not (isinstance(value, DTensor) or is_sharded_tensor(value)):
+        return dtensor_like(value.to(sharded.to_local().device), sharded)  # this rank's piece already
+    return to_layout_of(value, sharded, copy=False)
 
 
 def _is_local_type(entry: Entry, state_dict_type: StateDictType) -> bool:

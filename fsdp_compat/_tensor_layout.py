@@ -146,26 +146,28 @@ def sharded_tensor_local_piece(value: torch.Tensor, like: DTensor) -> torch.Tens
     """This rank's piece of ``like``'s layout read straight from a ``ShardedTensor``'s local shard,
     when the two layouts agree (FSDP1's SHARDED checkpoints at the same world size, whose
     ``torch.chunk`` pieces are the engine's); else ``None`` (the caller gathers instead)."""
-    local = like.to_local()
-    rows = engine_local_rows(like, local) if local.dim() else None
+    offset, shape = _local_box(like)
     for shard in value.local_shards():  # type: ignore[attr-defined]
-        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        if list(sizes) == list(local.shape) and offsets[0] == (rows[0] if rows else 0) and not any(offsets[1:]):
+        if tuple(shard.metadata.shard_sizes) == shape and tuple(shard.metadata.shard_offsets) == offset:
             return shard.tensor
+    local = local_tensor(like)
     return local.new_empty(local.shape) if local.numel() == 0 else None
 
 
-def engine_local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | None:
-    """``(first row, row count)`` of this rank's piece ``local`` of ``like`` when it is laid out
-    as the engine lays out parameters (dim-0 ``torch.chunk`` pieces, or replicated); else ``None``.
-    Cheaper than DTensor's general local-shape computation, which matters per state tensor."""
+def _local_box(like: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global offset and shape of this rank's piece of ``like``. The engine's layout (dim-0
+    ``torch.chunk`` pieces, or replicated) is found without DTensor's general local-shape
+    computation, which costs more, once per state tensor."""
+    shape = tuple(local_tensor(like).shape)
     shard_dim = _engine_shard_mesh_dim(like)
     if shard_dim is None:
-        return 0, local.shape[0]
+        return (0,) * len(shape), shape
     if shard_dim < 0:
-        return None
+        local_shape, offset = local_shape_and_offset(like)
+        return offset, local_shape
     rank = like.device_mesh.get_coordinate()[shard_dim]  # type: ignore[index]  # cached, unlike get_local_rank
-    return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim)), local.shape[0]
+    first = rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim))
+    return (first,) + (0,) * (len(shape) - 1), shape
 
 
 def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]] | None:
@@ -239,14 +241,8 @@ def same_layout(value: DTensor, like: DTensor) -> bool:
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's part of ``full`` (held by every rank) laid out as ``like``, as new memory;
     no communication."""
-    local_like = local_tensor(like)
-    rows = engine_local_rows(like, local_like)
-    if rows is not None:  # the engine's layout: a run of rows, found without DTensor's general math
-        piece = full[rows[0]:rows[0] + rows[1]]
-    else:
-        local_shape, offset = local_shape_and_offset(like)
-        piece = full[tuple(slice(begin, begin + size) for begin, size in zip(offset, local_shape))]
-    return dtensor_like(piece.to(local_like.device, copy=True, memory_format=torch.contiguous_format), like)
+    piece = full[tuple(slice(begin, begin + size) for begin, size in zip(*_local_box(like)))]
+    return dtensor_like(piece.to(local_tensor(like).device, copy=True, memory_format=torch.contiguous_format), like)
 
 
 def scatterable(like: torch.Tensor, group: Any) -> bool:
@@ -335,11 +331,19 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def to_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, as new memory;
-    without communication when ``value`` is already sharded as ``like``."""
-    if isinstance(like, DTensor):
-        if isinstance(value, DTensor) and same_layout(value, like):
-            return local_copy(value, local_tensor(like).device)
+def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
+    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, on its device; this
+    rank's piece taken without communication where the layouts agree. ``copy=False`` may return
+    views of ``value``'s memory (for a load, which copies them into the module)."""
+    if not isinstance(like, DTensor):
+        return to_full(value).detach().to(like.device, copy=copy)
+    piece = None
+    if isinstance(value, DTensor):
+        piece = value.to_local() if same_layout(value, like) else None
+    elif is_sharded_tensor(value):
+        piece = sharded_tensor_local_piece(value, like)
+    if piece is None:
         return shard_like(to_full(value), like)
-    return copy_to(to_full(value), like.device)
+    # A same-layout DTensor lends its spec (its dtype: the cheap construction, see dtensor_like).
+    return dtensor_like(piece.detach().to(local_tensor(like).device, copy=copy),
+                        value if isinstance(value, DTensor) else like)
