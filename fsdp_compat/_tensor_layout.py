@@ -187,13 +187,8 @@ def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[
 def _shard_coordinates(mesh: DeviceMesh, shard_dim: int, group: dist.ProcessGroup) -> tuple[int, ...] | None:
     """Each rank of ``group``'s coordinate on ``mesh``'s ``shard_dim`` (``None`` if one is not on
     it): found once per mesh and group, not once per state tensor."""
-    coordinates = []
-    for group_rank in range(group.size()):
-        where = (mesh.mesh == dist.get_global_rank(group, group_rank)).nonzero()
-        if len(where) == 0:
-            return None
-        coordinates.append(int(where[0][shard_dim]))
-    return tuple(coordinates)
+    where = [(mesh.mesh == rank).nonzero() for rank in dist.get_process_group_ranks(group)]
+    return None if any(len(found) == 0 for found in where) else tuple(int(found[0][shard_dim]) for found in where)
 
 
 def is_sharded_tensor(value: Any) -> bool:
@@ -213,29 +208,19 @@ def copy_to(tensor: torch.Tensor, device: torch.device | str | None = None) -> t
 
 def full_tensors(values: list[DTensor], device: torch.device | str | None = None, *,
                  keep: bool = True, buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
-    """The unsharded values of ``values`` as new memory each, on ``device`` (default: where each
-    local shard is); ``keep`` and ``buffer`` as in ``gather_full_tensors``, whose collective this is."""
+    """The unsharded values of ``values`` (one unit's: one device) as new memory each, on ``device``
+    (default: where their local shards are); ``keep`` and ``buffer`` as in ``gather_full_tensors``."""
     if not values:
         return []
-    mesh_device = torch.device(values[0].device_mesh.device_type)
-    local_devices = {value.to_local().device for value in values}
-    out_device = (torch.device(device) if device is not None
-                  else local_devices.pop() if len(local_devices) == 1 else None)
-    fulls = gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep, buffer=buffer)
-    if out_device is None and keep:  # shards on several devices: each full value goes to its shard's
-        fulls = [full.to(value.to_local().device) for value, full in zip(values, fulls)]
-    return fulls
+    # The group's own device ("cuda:N", not "cuda"), so that a reused buffer is found equal.
+    mesh_device = communication_device(values[0].device_mesh.get_group(0))
+    out_device = torch.device(device) if device is not None else local_tensor(values[0]).device
+    return gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep, buffer=buffer)
 
 
 def local_copy(value: DTensor, device: torch.device | str | None = None) -> DTensor:
     """``value`` with its local shard copied (optionally to ``device``); same layout."""
     return dtensor_like(copy_to(value.to_local(), device), value)
-
-
-def same_layout(value: DTensor, like: DTensor) -> bool:
-    """Whether ``value`` is sharded exactly as ``like`` (so its local shard is ours as is)."""
-    return (value.shape == like.shape and value.device_mesh == like.device_mesh
-            and tuple(value.placements) == tuple(like.placements))
 
 
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
@@ -338,8 +323,9 @@ def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) 
     if not isinstance(like, DTensor):
         return to_full(value).detach().to(like.device, copy=copy)
     piece = None
-    if isinstance(value, DTensor):
-        piece = value.to_local() if same_layout(value, like) else None
+    if isinstance(value, DTensor):  # sharded exactly as ``like``: this rank's piece is ours as is
+        layout = (like.shape, like.device_mesh, tuple(like.placements))
+        piece = value.to_local() if (value.shape, value.device_mesh, tuple(value.placements)) == layout else None
     elif is_sharded_tensor(value):
         piece = sharded_tensor_local_piece(value, like)
     if piece is None:
