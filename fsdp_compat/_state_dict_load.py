@@ -176,8 +176,7 @@ def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> l
                 f"Tensor-like object from checkpoint but received {type(value)}"]
     sharded = entry.sharded if not entry.full_visible else None
     target = sharded.to_local() if sharded is not None else entry.value  # what the load writes
-    if (sharded is not None and _is_local_type(entry, state_dict_type)
-            and not (isinstance(value, DTensor) or is_sharded_tensor(value))):  # no global shape
+    if _is_local_piece(entry, value, state_dict_type):
         shape, described = target.shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
     else:
         shape, described = (entry.value if sharded is None else sharded).shape, "the shape in current model is"
@@ -221,15 +220,17 @@ def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) ->
     sharded = entry.sharded
     if sharded is None or entry.full_visible:
         return to_full(value)
-    if _is_local_type(entry, state_dict_type) and not (isinstance(value, DTensor) or is_sharded_tensor(value)):
-        return dtensor_like(value.to(sharded.to_local().device), sharded)  # this rank's piece already
+    if _is_local_piece(entry, value, state_dict_type):
+        return dtensor_like(value.to(sharded.to_local().device), sharded)
     return to_layout_of(value, sharded, copy=False)
 
 
-def _is_local_type(entry: Entry, state_dict_type: StateDictType) -> bool:
-    """Whether plain values are this rank's pieces (LOCAL) rather than full tensors."""
-    return (state_dict_type == StateDictType.LOCAL_STATE_DICT
-            and entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD)
+def _is_local_piece(entry: Entry, value: Any, state_dict_type: StateDictType) -> bool:
+    """Whether ``value`` is this rank's piece of a sharded parameter: a plain tensor (no global
+    shape) under LOCAL, rather than a full tensor."""
+    return (state_dict_type == StateDictType.LOCAL_STATE_DICT and entry.sharded is not None
+            and not entry.full_visible and entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD
+            and not (isinstance(value, DTensor) or is_sharded_tensor(value)))
 
 
 def _raw_metadata(wrapper: nn.Module, metadata: Mapping[str, Any] | None) -> OrderedDict[str, Any]:

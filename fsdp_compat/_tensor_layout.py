@@ -300,16 +300,15 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
     group = sharded_tensor_group(value)
     device = communication_device(group)
     dtype = metadata.tensor_properties.dtype
-    local_shards = value.local_shards()  # type: ignore[attr-defined]
-    mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in local_shards}
+    mine = {tuple(shard.metadata.shard_offsets): shard.tensor
+            for shard in value.local_shards()}  # type: ignore[attr-defined]
     full = torch.empty(tuple(metadata.size), dtype=dtype, device=device)
     for shard in metadata.shards_metadata:
         if 0 in shard.shard_sizes:
             continue
         offsets = tuple(shard.shard_offsets)
         owner = shard.placement.rank()  # a rank of the ShardedTensor's group
-        piece = mine.get(offsets) if owner == dist.get_rank(group) else None
-        buffer = (piece.to(device, copy=True) if piece is not None
+        buffer = (mine[offsets].to(device, copy=True) if owner == dist.get_rank(group)
                   else torch.empty(shard.shard_sizes, dtype=dtype, device=device))
         dist.broadcast(buffer, group_src=owner, group=group)
         full[tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))] = buffer
