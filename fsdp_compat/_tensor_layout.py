@@ -316,19 +316,14 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
 
 
 def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
-    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, on its device; this
-    rank's piece taken without communication where the layouts agree. ``copy=False`` may return
-    views of ``value``'s memory (for a load, which copies them into the module)."""
+    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, on its device;
+    without communication when ``value`` is a DTensor sharded exactly as ``like`` (a decision
+    every rank makes alike). ``copy=False`` may return views of ``value``'s memory (for a load,
+    which copies them into the module)."""
     if not isinstance(like, DTensor):
         return to_full(value).detach().to(like.device, copy=copy)
-    piece = None
-    if isinstance(value, DTensor):  # sharded exactly as ``like``: this rank's piece is ours as is
-        layout = (like.shape, like.device_mesh, tuple(like.placements))
-        piece = value.to_local() if (value.shape, value.device_mesh, tuple(value.placements)) == layout else None
-    elif is_sharded_tensor(value):
-        piece = sharded_tensor_local_piece(value, like)
-    if piece is None:
+    layout = (like.shape, like.device_mesh, tuple(like.placements))
+    if not (isinstance(value, DTensor) and (value.shape, value.device_mesh, tuple(value.placements)) == layout):
         return shard_like(to_full(value), like)
-    # A same-layout DTensor lends its spec (its dtype: the cheap construction, see dtensor_like).
-    return dtensor_like(piece.detach().to(local_tensor(like).device, copy=copy),
-                        value if isinstance(value, DTensor) else like)
+    # ``value`` lends its spec (its dtype: the cheap construction, see dtensor_like).
+    return dtensor_like(value.to_local().detach().to(local_tensor(like).device, copy=copy), value)
