@@ -19,12 +19,11 @@ def communication_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def broadcast_object(value: Any, group: Any = None, source_group_rank: int = 0) -> Any:
-    """``value`` from ``group``'s rank ``source_group_rank`` on all its ranks (the source gets ``value``
-    itself back). Two broadcasts: size, then payload."""
-    objects = [value if dist.get_rank(group) == source_group_rank else None]
-    dist.broadcast_object_list(objects, group=group, group_src=source_group_rank,
-                               device=communication_device(group))
+def broadcast_object(value: Any, group: Any = None) -> Any:
+    """Group rank 0's ``value`` on all ranks of ``group`` (rank 0 gets ``value`` itself back).
+    Two broadcasts: size, then payload."""
+    objects = [value if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(objects, group=group, group_src=0, device=communication_device(group))
     return objects[0]
 
 

@@ -20,6 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+# How FSDP1 and the engine walk forward inputs and outputs (containers, dataclasses, namedtuples)
+# to cast their tensors; matching the walk matches which tensors they cast.
+from torch.distributed.utils import _apply_to_tensors as apply_to_tensors  # noqa: F401 (re-exported)
+
 # FSDP1's ``MixedPrecision._module_classes_to_ignore`` default: every batch norm (torch's public
 # ones, users' own) derives from it, so only this base class matches what FSDP1 matches.
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401 (re-exported)

@@ -9,18 +9,15 @@ with post-accumulate-grad hooks, ``_module_classes_to_ignore`` as units of their
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import warnings
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.nn.utils.rnn import PackedSequence
 
 from . import _engine
 from ._common import clean_name, warn_once
@@ -169,29 +166,14 @@ def _cast_grad(param: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _cast_floating_tensors(value: Any, dtype: torch.dtype, recording_for: nn.Module | None = None) -> Any:
     """``value`` with every floating-point tensor not in ``dtype`` cast to it, walking containers
-    as FSDP1 (and the engine) do; a ``PackedSequence`` passes unchanged. Like FSDP1, it records
-    for ``recording_for`` the dtype of every tensor it casts, outputs included."""
+    with the function FSDP1 (and the engine) use. Like FSDP1, it records for ``recording_for`` the
+    dtype of every tensor it casts, outputs included."""
 
-    def visit(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            if not torch.is_floating_point(item) or item.dtype == dtype:
-                return item
-            if recording_for is not None:
-                _input_dtype_of[recording_for] = item.dtype
-            return item.to(dtype)
-        if dataclasses.is_dataclass(item) and not isinstance(item, type):
-            changes = {f.name: visit(getattr(item, f.name)) for f in dataclasses.fields(item) if f.init}
-            return dataclasses.replace(item, **changes)
-        if isinstance(item, OrderedDict):
-            return type(item)((key, visit(element)) for key, element in item.items())
-        if isinstance(item, PackedSequence):
-            return item
-        if isinstance(item, dict):
-            return {key: visit(element) for key, element in item.items()}
-        if isinstance(item, tuple) and hasattr(item, "_fields"):  # namedtuple
-            return type(item)(*(visit(element) for element in item))
-        if isinstance(item, (list, tuple, set)):
-            return type(item)(visit(element) for element in item)
-        return item
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        if not torch.is_floating_point(tensor) or tensor.dtype == dtype:
+            return tensor
+        if recording_for is not None:
+            _input_dtype_of[recording_for] = tensor.dtype
+        return tensor.to(dtype)
 
-    return visit(value)
+    return _engine.apply_to_tensors(cast, value)

@@ -23,7 +23,7 @@ from ._collectives import all_ranks_agree, mesh_groups
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
-from ._tensor_layout import is_sharded_tensor, same_layout, shard_like, sharded_tensor_local_piece, to_full
+from ._tensor_layout import is_sharded_tensor, sharded_tensor_local_piece, to_full, to_layout_of
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
@@ -176,8 +176,7 @@ def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> l
                 f"Tensor-like object from checkpoint but received {type(value)}"]
     sharded = entry.sharded if not entry.full_visible else None
     target = sharded.to_local() if sharded is not None else entry.value  # what the load writes
-    if (sharded is not None and _is_local_type(entry, state_dict_type)
-            and not (isinstance(value, DTensor) or is_sharded_tensor(value))):  # no global shape
+    if _is_local_piece(entry, value, state_dict_type):
         shape, described = target.shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
     else:
         shape, described = (entry.value if sharded is None else sharded).shape, "the shape in current model is"
@@ -218,24 +217,24 @@ def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) ->
     rank's piece taken without communication where the layouts allow), else a plain full tensor."""
     if not isinstance(entry.value, torch.Tensor):
         return value
-    if entry.sharded is None or entry.full_visible:
-        return to_full(value)
     sharded = entry.sharded
-    if isinstance(value, DTensor):
-        piece = value.to_local() if same_layout(value, sharded) else None
-    elif is_sharded_tensor(value):
-        piece = sharded_tensor_local_piece(value, sharded)
-    else:
-        piece = value if _is_local_type(entry, state_dict_type) else None
+    if sharded is None or entry.full_visible:
+        return to_full(value)
+    if _is_local_piece(entry, value, state_dict_type):
+        piece = value
+    else:  # a ShardedTensor's local shard may be this rank's piece (FSDP1's, same world size)
+        piece = sharded_tensor_local_piece(value, sharded) if is_sharded_tensor(value) else None
     if piece is None:
-        return shard_like(to_full(value), sharded)
+        return to_layout_of(value, sharded, copy=False)
     return dtensor_like(piece.to(sharded.to_local().device), sharded)
 
 
-def _is_local_type(entry: Entry, state_dict_type: StateDictType) -> bool:
-    """Whether plain values are this rank's pieces (LOCAL) rather than full tensors."""
-    return (state_dict_type == StateDictType.LOCAL_STATE_DICT
-            and entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD)
+def _is_local_piece(entry: Entry, value: Any, state_dict_type: StateDictType) -> bool:
+    """Whether ``value`` is this rank's piece of a sharded parameter: a plain tensor (no global
+    shape) under LOCAL, rather than a full tensor."""
+    return (state_dict_type == StateDictType.LOCAL_STATE_DICT and entry.sharded is not None
+            and not entry.full_visible and entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD
+            and not (isinstance(value, DTensor) or is_sharded_tensor(value)))
 
 
 def _raw_metadata(wrapper: nn.Module, metadata: Mapping[str, Any] | None) -> OrderedDict[str, Any]:

@@ -146,26 +146,28 @@ def sharded_tensor_local_piece(value: torch.Tensor, like: DTensor) -> torch.Tens
     """This rank's piece of ``like``'s layout read straight from a ``ShardedTensor``'s local shard,
     when the two layouts agree (FSDP1's SHARDED checkpoints at the same world size, whose
     ``torch.chunk`` pieces are the engine's); else ``None`` (the caller gathers instead)."""
-    local = like.to_local()
-    rows = engine_local_rows(like, local) if local.dim() else None
+    offset, shape = _local_box(like)
     for shard in value.local_shards():  # type: ignore[attr-defined]
-        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        if list(sizes) == list(local.shape) and offsets[0] == (rows[0] if rows else 0) and not any(offsets[1:]):
+        if tuple(shard.metadata.shard_sizes) == shape and tuple(shard.metadata.shard_offsets) == offset:
             return shard.tensor
+    local = local_tensor(like)
     return local.new_empty(local.shape) if local.numel() == 0 else None
 
 
-def engine_local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | None:
-    """``(first row, row count)`` of this rank's piece ``local`` of ``like`` when it is laid out
-    as the engine lays out parameters (dim-0 ``torch.chunk`` pieces, or replicated); else ``None``.
-    Cheaper than DTensor's general local-shape computation, which matters per state tensor."""
+def _local_box(like: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global offset and shape of this rank's piece of ``like``. The engine's layout (dim-0
+    ``torch.chunk`` pieces, or replicated) is found without DTensor's general local-shape
+    computation, which costs more, once per state tensor."""
+    shape = tuple(local_tensor(like).shape)
     shard_dim = _engine_shard_mesh_dim(like)
     if shard_dim is None:
-        return 0, local.shape[0]
+        return (0,) * len(shape), shape
     if shard_dim < 0:
-        return None
+        local_shape, offset = local_shape_and_offset(like)
+        return offset, local_shape
     rank = like.device_mesh.get_coordinate()[shard_dim]  # type: ignore[index]  # cached, unlike get_local_rank
-    return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim)), local.shape[0]
+    first = rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim))
+    return (first,) + (0,) * (len(shape) - 1), shape
 
 
 def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]] | None:
@@ -185,13 +187,8 @@ def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[
 def _shard_coordinates(mesh: DeviceMesh, shard_dim: int, group: dist.ProcessGroup) -> tuple[int, ...] | None:
     """Each rank of ``group``'s coordinate on ``mesh``'s ``shard_dim`` (``None`` if one is not on
     it): found once per mesh and group, not once per state tensor."""
-    coordinates = []
-    for group_rank in range(group.size()):
-        where = (mesh.mesh == dist.get_global_rank(group, group_rank)).nonzero()
-        if len(where) == 0:
-            return None
-        coordinates.append(int(where[0][shard_dim]))
-    return tuple(coordinates)
+    where = [(mesh.mesh == rank).nonzero() for rank in dist.get_process_group_ranks(group)]
+    return None if any(len(found) == 0 for found in where) else tuple(int(found[0][shard_dim]) for found in where)
 
 
 def is_sharded_tensor(value: Any) -> bool:
@@ -211,18 +208,14 @@ def copy_to(tensor: torch.Tensor, device: torch.device | str | None = None) -> t
 
 def full_tensors(values: list[DTensor], device: torch.device | str | None = None, *,
                  keep: bool = True, buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
-    """The unsharded values of ``values`` as new memory each, on ``device`` (default: where each
-    local shard is); ``keep`` and ``buffer`` as in ``gather_full_tensors``, whose collective this is."""
+    """The unsharded values of ``values`` (one unit's: one device) as new memory each, on ``device``
+    (default: where their local shards are); ``keep`` and ``buffer`` as in ``gather_full_tensors``."""
     if not values:
         return []
-    mesh_device = torch.device(values[0].device_mesh.device_type)
-    local_devices = {value.to_local().device for value in values}
-    out_device = (torch.device(device) if device is not None
-                  else local_devices.pop() if len(local_devices) == 1 else None)
-    fulls = gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep, buffer=buffer)
-    if out_device is None and keep:  # shards on several devices: each full value goes to its shard's
-        fulls = [full.to(value.to_local().device) for value, full in zip(values, fulls)]
-    return fulls
+    # The group's own device ("cuda:N", not "cuda"), so that a reused buffer is found equal.
+    mesh_device = communication_device(values[0].device_mesh.get_group(0))
+    out_device = torch.device(device) if device is not None else local_tensor(values[0]).device
+    return gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep, buffer=buffer)
 
 
 def local_copy(value: DTensor, device: torch.device | str | None = None) -> DTensor:
@@ -230,23 +223,11 @@ def local_copy(value: DTensor, device: torch.device | str | None = None) -> DTen
     return dtensor_like(copy_to(value.to_local(), device), value)
 
 
-def same_layout(value: DTensor, like: DTensor) -> bool:
-    """Whether ``value`` is sharded exactly as ``like`` (so its local shard is ours as is)."""
-    return (value.shape == like.shape and value.device_mesh == like.device_mesh
-            and tuple(value.placements) == tuple(like.placements))
-
-
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's part of ``full`` (held by every rank) laid out as ``like``, as new memory;
     no communication."""
-    local_like = local_tensor(like)
-    rows = engine_local_rows(like, local_like)
-    if rows is not None:  # the engine's layout: a run of rows, found without DTensor's general math
-        piece = full[rows[0]:rows[0] + rows[1]]
-    else:
-        local_shape, offset = local_shape_and_offset(like)
-        piece = full[tuple(slice(begin, begin + size) for begin, size in zip(offset, local_shape))]
-    return dtensor_like(piece.to(local_like.device, copy=True, memory_format=torch.contiguous_format), like)
+    piece = full[tuple(slice(begin, begin + size) for begin, size in zip(*_local_box(like)))]
+    return dtensor_like(piece.to(local_tensor(like).device, copy=True, memory_format=torch.contiguous_format), like)
 
 
 def scatterable(like: torch.Tensor, group: Any) -> bool:
@@ -319,27 +300,30 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
     group = sharded_tensor_group(value)
     device = communication_device(group)
     dtype = metadata.tensor_properties.dtype
-    local_shards = value.local_shards()  # type: ignore[attr-defined]
-    mine = {tuple(shard.metadata.shard_offsets): shard.tensor for shard in local_shards}
+    mine = {tuple(shard.metadata.shard_offsets): shard.tensor
+            for shard in value.local_shards()}  # type: ignore[attr-defined]
     full = torch.empty(tuple(metadata.size), dtype=dtype, device=device)
     for shard in metadata.shards_metadata:
         if 0 in shard.shard_sizes:
             continue
         offsets = tuple(shard.shard_offsets)
         owner = shard.placement.rank()  # a rank of the ShardedTensor's group
-        piece = mine.get(offsets) if owner == dist.get_rank(group) else None
-        buffer = (piece.to(device, copy=True) if piece is not None
+        buffer = (mine[offsets].to(device, copy=True) if owner == dist.get_rank(group)
                   else torch.empty(shard.shard_sizes, dtype=dtype, device=device))
         dist.broadcast(buffer, group_src=owner, group=group)
         full[tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))] = buffer
     return full
 
 
-def to_layout_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, as new memory;
-    without communication when ``value`` is already sharded as ``like``."""
-    if isinstance(like, DTensor):
-        if isinstance(value, DTensor) and same_layout(value, like):
-            return local_copy(value, local_tensor(like).device)
+def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
+    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, on its device;
+    without communication when ``value`` is a DTensor sharded exactly as ``like`` (a decision
+    every rank makes alike). ``copy=False`` may return views of ``value``'s memory (for a load,
+    which copies them into the module)."""
+    if not isinstance(like, DTensor):
+        return to_full(value).detach().to(like.device, copy=copy)
+    layout = (like.shape, like.device_mesh, tuple(like.placements))
+    if not (isinstance(value, DTensor) and (value.shape, value.device_mesh, tuple(value.placements)) == layout):
         return shard_like(to_full(value), like)
-    return copy_to(to_full(value), like.device)
+    # ``value`` lends its spec (its dtype: the cheap construction, see dtensor_like).
+    return dtensor_like(value.to_local().detach().to(local_tensor(like).device, copy=copy), value)
