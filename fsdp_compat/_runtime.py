@@ -73,7 +73,6 @@ def no_sync(root: UnitState) -> Generator[None, None, None]:
 
 
 def _as_float(value: Any, name: str, expected: str) -> float:
-    """``float(value)`` with FSDP1's exception type (``ValueError``/``TypeError``) and a clear message."""
     try:
         return float(value)
     except (TypeError, ValueError) as error:

@@ -155,7 +155,6 @@ def plan_wrapping(root_module: nn.Module, policy: Any, ignored_modules: set[nn.M
     ``individually_wrapped_classes`` instance with ``mixed_precision=None`` (FSDP1's handling of
     mixed precision's ``_module_classes_to_ignore``)."""
     policy = translate_policy(policy)
-    root_kwargs = dict(root_kwargs, auto_wrap_policy=None)
     if isinstance(policy, _Policy):
         targets = policy._run_policy(root_module, ignored_modules, root_kwargs)
     else:
