@@ -34,10 +34,9 @@ _warned: set[str] = set()
 
 def warn_once(key: str, message: str) -> None:
     """Warn (``UserWarning``) once per process for ``key``: FSDP1 options the engine makes moot."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    warnings.warn(message, UserWarning, stacklevel=3)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def forget_warnings() -> None:

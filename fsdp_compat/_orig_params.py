@@ -50,13 +50,6 @@ def remember_replacements(before: ParamSlots) -> None:
         _hook_handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: rebind_optimizer(optimizer))
 
 
-def current_param(param: nn.Parameter) -> nn.Parameter:
-    """The parameter a wrapped model holds in place of ``param`` (``param`` itself if none)."""
-    while param in _replaced:
-        param = _replaced[param]
-    return param
-
-
 def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Point ``optimizer`` at the parameters the wrapped models hold now (no-op when it does)."""
     if not _generation or _checked.get(optimizer) == _generation:
@@ -64,7 +57,9 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         params = group["params"]
         for index, param in enumerate(params):
-            current = current_param(param)
+            current = param
+            while current in _replaced:  # a replacement may have been replaced since (rewrapping)
+                current = _replaced[current]
             if current is param:
                 continue
             params[index] = current

@@ -45,18 +45,13 @@ def root_pre_forward(root: UnitState, args: tuple[Any, ...],
         for unit in units:
             unit.order_recorder = root.forward_order
     elif any(unit.forward_prefetch for unit in units):
-        _configure_forward_prefetch(root.forward_order)
+        # FSDP1's forward_prefetch: a unit all-gathers the next one (first forward's order) as it starts.
+        engine_units = [unit for unit in root.forward_order if _engine.engine_state(unit.module) is not None]
+        for current, following in zip(engine_units, engine_units[1:]):
+            if current.forward_prefetch:
+                engine_unit = cast(_engine.FSDPModule, current.module)
+                engine_unit.set_modules_to_forward_prefetch([cast(_engine.FSDPModule, following.module)])
     return _mixed_precision.root_pre_forward(root, units, args, kwargs)
-
-
-def _configure_forward_prefetch(forward_order: list[UnitState]) -> None:
-    """``forward_prefetch=True``: each unit all-gathers the next unit (in the first iteration's
-    forward order) as it starts its own forward, as FSDP1 does."""
-    units = [unit for unit in forward_order if _engine.engine_state(unit.module) is not None]
-    for current, following in zip(units, units[1:]):
-        if current.forward_prefetch:
-            unit = cast(_engine.FSDPModule, current.module)
-            unit.set_modules_to_forward_prefetch([cast(_engine.FSDPModule, following.module)])
 
 
 @contextlib.contextmanager
@@ -78,7 +73,6 @@ def no_sync(root: UnitState) -> Generator[None, None, None]:
 
 
 def _as_float(value: Any, name: str, expected: str) -> float:
-    """``float(value)`` with FSDP1's exception type (``ValueError``/``TypeError``) and a clear message."""
     try:
         return float(value)
     except (TypeError, ValueError) as error:

@@ -40,8 +40,8 @@ from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimState
                   OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
                   StateDictSettings, StateDictType, coerce_config, coerce_enum)
 
-__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type",
-           "set_state_dict_type_on", "state_dict"]
+__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type_on",
+           "state_dict"]
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -50,20 +50,10 @@ _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
 }
 
 
-def set_state_dict_type(module: nn.Module, state_dict_type: Any, state_dict_config: Any = None,
-                        optim_state_dict_config: Any = None) -> StateDictSettings:
-    """Set the type and configs on every wrapper in ``module``; return the previous settings.
-
-    As FSDP1: a config of the wrong class raises ``RuntimeError``; a module without wrappers is
-    left alone and ``StateDictSettings(None, None, None)`` returned (which, passed back, is a no-op).
-    """
-    return set_state_dict_type_on(units_in(module), state_dict_type, state_dict_config, optim_state_dict_config)
-
-
 def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_dict_config: Any = None,
                            optim_state_dict_config: Any = None) -> StateDictSettings:
-    """:func:`set_state_dict_type` on the given ``units`` (the context manager restores the same
-    ones: one walk of the model instead of two per checkpoint call)."""
+    """``FullyShardedDataParallel.set_state_dict_type`` on ``units`` (the ``state_dict_type`` context
+    restores the same ones: one walk of the model instead of two per checkpoint call)."""
     if state_dict_type is None and not units:
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     # Arguments given on one rank only must not let the other ranks go on to a state dict's
@@ -81,9 +71,8 @@ def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_d
 
 
 def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings) -> None:
-    """Put ``settings`` on ``units``: what :func:`set_state_dict_type_on` does once they are
-    checked, and all the ``state_dict_type`` context's exit does (with what it returned). Local: a
-    rank leaving the context by an exception does not wait for the others."""
+    """Put ``settings`` on ``units``, with no collective: a rank leaving the ``state_dict_type``
+    context by an exception does not wait for the others."""
     if settings.state_dict_type is None:
         return
     for unit in units:
@@ -158,14 +147,14 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
     full = _gather_full_parameters(plans, root.rank)
     restore_dtypes = _mixed_precision.original_buffer_dtypes(root.wrapper)
 
-    result: Any = destination if destination is not None else OrderedDict()
     if destination is None:
-        result._metadata = OrderedDict()  # type: ignore[attr-defined]
-    if hasattr(result, "_metadata"):
+        destination = OrderedDict()
+        destination._metadata = OrderedDict()
+    if hasattr(destination, "_metadata"):
         # The wrapped module's version follows (and wins over) its wrapper's, as both map to one path.
         for path, module_metadata in metadata.items():
             path = clean_module_path(path)
-            result._metadata[(prefix + path) if path else prefix[:-1]] = module_metadata
+            destination._metadata[(prefix + path) if path else prefix[:-1]] = module_metadata
     for entry, entry_type, entry_config in plans:
         if _only_rank0_keeps(entry_config, root.rank) and not entry.is_plain_param:
             continue  # FSDP1: under rank0_only, other ranks keep only ignored parameters
@@ -174,8 +163,8 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
             continue
         if entry_config.offload_to_cpu and isinstance(value, torch.Tensor):
             value = value.cpu()
-        result[prefix + entry.key] = value
-    return result
+        destination[prefix + entry.key] = value
+    return destination
 
 
 def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:  # other ranks keep nothing

@@ -127,8 +127,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     model = pkgutil.resolve_name(args.model)()
     started = not dist.is_initialized()
-    if started:
-        _init_process_group(args.backend)
+    if started and "MASTER_ADDR" not in os.environ:  # no torchrun: a one-rank checkpoint
+        dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif started:
+        if args.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(args.backend)
     try:
         convert_local_checkpoint(model, args.checkpoint, args.output, output_format=args.format,
                                  ignored_modules=args.ignored_modules)
@@ -137,16 +141,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         if started:
             dist.destroy_process_group()
-
-
-def _init_process_group(backend: str) -> None:
-    """torchrun's environment, or a one-process group for a one-rank checkpoint."""
-    if "MASTER_ADDR" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
 from ._unit_state import STATE_ATTR, UnitState, state_of, units_in
 from .api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
-                  ShardingStrategy, StateDictConfig, StateDictType, coerce_config, coerce_enum)
+                  ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType, coerce_config, coerce_enum)
 from .wrap import apply_wrapping, plan_wrapping
 
 # OptimStateKeyType is re-exported: FSDP1 users import it from this module too.
@@ -64,8 +64,7 @@ def _warn_about_moot_options(limit_all_gathers: bool, backward_prefetch: Backwar
 
 
 def _warn_about_no_shard(requested: ShardingStrategy, unit: UnitState) -> None:
-    """FSDP1's ``NO_SHARD`` warnings, texts and ``stacklevel``s: one for a strategy switched for a
-    one-rank shard group, one (deprecation) for ``NO_SHARD`` asked for over several ranks."""
+    """FSDP1's ``NO_SHARD`` warnings, with its texts and ``stacklevel``s."""
     if unit.sharding_strategy != requested:
         warnings.warn(f"FSDP is switching to use `NO_SHARD` instead of {requested} since the world size is 1.",
                       stacklevel=2)
@@ -276,7 +275,18 @@ class FullyShardedDataParallel(nn.Module):
                 unit.order_recorder = None
             return self._fsdp_wrapped_module(*args, **kwargs)
 
-    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                            state_dict_config: StateDictConfig | None = None,
+                            optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
+        """Set the type and configs on every wrapper in ``module``; return the previous settings.
+
+        As FSDP1: a config of the wrong class raises ``RuntimeError``; a module without wrappers is
+        left alone and ``StateDictSettings(None, None, None)`` returned (which, passed back, is a no-op).
+        """
+        return _state_dict.set_state_dict_type_on(units_in(module), state_dict_type, state_dict_config,
+                                                  optim_state_dict_config)
+
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
 
     @staticmethod

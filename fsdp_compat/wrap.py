@@ -119,6 +119,7 @@ _TORCH_WRAP_MODULE = "torch.distributed.fsdp.wrap"
 _POLICY_FUNCTIONS: dict[str, Callable[..., bool]] = {function.__name__: function for function in (
     always_wrap_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy,
     size_based_auto_wrap_policy, _or_policy, _wrap_module_cls_individually)}
+_POLICY_CLASSES: dict[str, Callable[[Any], _Policy]] = {cls.__name__: cls for cls in (ModuleWrapPolicy, CustomPolicy)}
 
 
 def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
@@ -133,10 +134,8 @@ def translate_policy(policy: Any) -> _Policy | CallablePolicy | None:
         return functools.partial(function, *policy.args, **keywords)
     if getattr(policy, "__module__", None) == _TORCH_WRAP_MODULE:  # a torch function or object
         name = getattr(policy, "__name__", type(policy).__name__)
-        if name == "ModuleWrapPolicy":  # torch's objects are rebuilt from their FSDP1 attributes
-            return ModuleWrapPolicy(_engine.torch_wrap_policy_argument(policy))
-        if name == "CustomPolicy":
-            return CustomPolicy(_engine.torch_wrap_policy_argument(policy))
+        if name in _POLICY_CLASSES:  # torch's objects are rebuilt from their FSDP1 attributes
+            return _POLICY_CLASSES[name](_engine.torch_wrap_policy_argument(policy))
         if name not in _POLICY_FUNCTIONS:
             raise TypeError(f"torch's wrap policy {name} has no fsdp_compat counterpart; pass one of "
                             f"ModuleWrapPolicy, CustomPolicy, {', '.join(_POLICY_FUNCTIONS)} instead")
@@ -156,7 +155,6 @@ def plan_wrapping(root_module: nn.Module, policy: Any, ignored_modules: set[nn.M
     ``individually_wrapped_classes`` instance with ``mixed_precision=None`` (FSDP1's handling of
     mixed precision's ``_module_classes_to_ignore``)."""
     policy = translate_policy(policy)
-    root_kwargs = dict(root_kwargs, auto_wrap_policy=None)
     if isinstance(policy, _Policy):
         targets = policy._run_policy(root_module, ignored_modules, root_kwargs)
     else:
@@ -192,14 +190,13 @@ def _plan_recursive(module: nn.Module, policy: CallablePolicy, ignored_modules: 
 
 def apply_wrapping(root_module: nn.Module, targets: dict[nn.Module, dict[str, Any]],
                    wrap_function: Callable[..., nn.Module],
-                   before_visit: Callable[[nn.Module], None] | None = None) -> None:
+                   before_visit: Callable[[nn.Module], None]) -> None:
     """Replace each target submodule, children before parents, by ``wrap_function(module, **kw)``;
     ``before_visit`` sees every module in pre-order before anything below it is wrapped."""
     visited: set[nn.Module] = {root_module}
 
     def visit(module: nn.Module) -> None:
-        if before_visit is not None:
-            before_visit(module)
+        before_visit(module)
         for name, child in list(module.named_children()):
             if child in visited:
                 continue
