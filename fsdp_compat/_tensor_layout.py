@@ -146,28 +146,34 @@ def sharded_tensor_local_piece(value: torch.Tensor, like: DTensor) -> torch.Tens
     """This rank's piece of ``like``'s layout read straight from a ``ShardedTensor``'s local shard,
     when the two layouts agree (FSDP1's SHARDED checkpoints at the same world size, whose
     ``torch.chunk`` pieces are the engine's); else ``None`` (the caller gathers instead)."""
-    offset, shape = _local_box(like)
+    local = local_tensor(like)
+    offset, shape = _local_box(like, local)
     for shard in value.local_shards():  # type: ignore[attr-defined]
         if tuple(shard.metadata.shard_sizes) == shape and tuple(shard.metadata.shard_offsets) == offset:
             return shard.tensor
-    local = local_tensor(like)
     return local.new_empty(local.shape) if local.numel() == 0 else None
 
 
-def _local_box(like: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Global offset and shape of this rank's piece of ``like``. The engine's layout (dim-0
-    ``torch.chunk`` pieces, or replicated) is found without DTensor's general local-shape
-    computation, which costs more, once per state tensor."""
-    shape = tuple(local_tensor(like).shape)
+def _local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | None:
+    """``(first row, row count)`` of this rank's piece ``local`` of ``like`` in the engine's layout
+    (dim-0 ``torch.chunk`` pieces, or replicated), else ``None``: without DTensor's general
+    local-shape computation, which costs several times more, once per state tensor."""
     shard_dim = _engine_shard_mesh_dim(like)
     if shard_dim is None:
-        return (0,) * len(shape), shape
+        return (0, local.shape[0]) if local.dim() else None
     if shard_dim < 0:
-        local_shape, offset = local_shape_and_offset(like)
-        return offset, local_shape
+        return None
     rank = like.device_mesh.get_coordinate()[shard_dim]  # type: ignore[index]  # cached, unlike get_local_rank
-    first = rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim))
-    return (first,) + (0,) * (len(shape) - 1), shape
+    return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim)), local.shape[0]
+
+
+def _local_box(like: DTensor, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global offset and shape of this rank's piece ``local`` of ``like``."""
+    rows = _local_rows(like, local)
+    if rows is None:
+        local_shape, offset = local_shape_and_offset(like)
+        return tuple(offset), tuple(local_shape)
+    return (rows[0],) + (0,) * (local.dim() - 1), tuple(local.shape)
 
 
 def engine_rows_of_ranks(like: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]] | None:
@@ -226,8 +232,13 @@ def local_copy(value: DTensor, device: torch.device | str | None = None) -> DTen
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's part of ``full`` (held by every rank) laid out as ``like``, as new memory;
     no communication."""
-    piece = full[tuple(slice(begin, begin + size) for begin, size in zip(*_local_box(like)))]
-    return dtensor_like(piece.to(local_tensor(like).device, copy=True, memory_format=torch.contiguous_format), like)
+    local = local_tensor(like)
+    rows = _local_rows(like, local)
+    if rows is not None:  # the engine's layout: a run of rows (the common case, kept cheap)
+        piece = full[rows[0]:rows[0] + rows[1]]
+    else:
+        piece = full[tuple(slice(begin, begin + size) for begin, size in zip(*_local_box(like, local)))]
+    return dtensor_like(piece.to(local.device, copy=True, memory_format=torch.contiguous_format), like)
 
 
 def scatterable(like: torch.Tensor, group: Any) -> bool:
