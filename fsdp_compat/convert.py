@@ -138,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  ignored_modules=args.ignored_modules)
         if dist.get_rank() == 0:
             print(f"wrote {args.output} ({args.format})")
+        if started:  # no rank tears its connections down while another still uses them (gloo aborts)
+            dist.barrier()
     finally:
         if started:
             dist.destroy_process_group()
