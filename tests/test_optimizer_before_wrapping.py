@@ -10,14 +10,8 @@ that reloads or re-types them, or an optimizer built after wrapping would go sta
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
@@ -28,6 +22,7 @@ from fsdp_compat.testing import distributed_test
 from fsdp_compat.wrap import ModuleWrapPolicy
 from tests import differential as diff
 from tests.test_mixed_precision import wrapper_kwargs
+from tests.test_optim_state_resume import shared_directory
 
 STEPS = 3
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
@@ -188,7 +183,7 @@ def test_parameter_objects_survive_reloads_and_edits(strategy):
     assert parameter_ids(model) == ids, "apply"
     with FSDP.state_dict_type(model, fsdp_compat.StateDictType.SHARDED_STATE_DICT):
         state = {"model": model.state_dict()}
-        with _shared_tmp_dir() as path:
+        with shared_directory() as path:
             dcp.save(state, checkpoint_id=path)
             dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
@@ -197,16 +192,3 @@ def test_parameter_objects_survive_reloads_and_edits(strategy):
     diff.train(model, optimizer, 1)
     after = diff.full_parameters(model)
     assert all(not torch.equal(before[name], after[name]) for name in after), "stopped training"
-
-
-@contextlib.contextmanager
-def _shared_tmp_dir() -> Iterator[str]:
-    """One fresh directory every rank agrees on, removed afterwards."""
-    path = [tempfile.mkdtemp(prefix="fsdp_compat_identity_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    try:
-        yield path[0]
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path[0], ignore_errors=True)
