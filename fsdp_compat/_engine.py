@@ -20,12 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-# How FSDP1 and the engine walk forward inputs and outputs (containers, dataclasses, namedtuples)
-# to cast their tensors; matching the walk matches which tensors they cast.
+# FSDP1's and the engine's walk over forward inputs and outputs: the same walk casts the same tensors.
 from torch.distributed.utils import _apply_to_tensors as apply_to_tensors  # noqa: F401 (re-exported)
 
-# FSDP1's ``MixedPrecision._module_classes_to_ignore`` default: every batch norm (torch's public
-# ones, users' own) derives from it, so only this base class matches what FSDP1 matches.
+# FSDP1's ``MixedPrecision._module_classes_to_ignore`` default: the base of every batch norm.
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401 (re-exported)
 
 # What ``nn.Module.load_state_dict`` returns (a named tuple of missing and unexpected keys).
@@ -99,26 +97,21 @@ def apply_engine(module: nn.Module, *, mesh: DeviceMesh, replicate_only: bool, r
                  ignored_params: set[nn.Parameter]) -> FSDPModule:
     """Make ``module`` one engine unit (one parameter group) over ``mesh``: ``replicate`` for
     ``NO_SHARD``, else ``fully_shard`` (``reshard_after_forward=None``: all but the root reshard)."""
-    unit: FSDPModule
-    if replicate_only:
-        unit = replicate(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
-                         ignored_params=ignored_params)
-    else:
-        unit = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                           mp_policy=mp_policy, offload_policy=offload_policy,
-                           ignored_params=ignored_params)
+    options: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                                   ignored_params=ignored_params)
+    unit: FSDPModule = (replicate(module, **options) if replicate_only
+                        else fully_shard(module, reshard_after_forward=reshard_after_forward, **options))
     for group in param_groups(unit):
         _accumulate_in_compute_dtype(group)
     return unit
 
 
 def _accumulate_in_compute_dtype(group: FSDPParamGroup) -> None:
-    """Make ``group`` accumulate unreduced (``no_sync``) gradients in the compute dtype, as FSDP1,
-    which casts to ``reduce_dtype`` only to reduce. The engine derives the accumulation dtype from
-    ``FSDPParam.reduce_dtype`` (torch < 2.15: ``unsharded_accumulated_grad``'s dtype; 2.15: the
-    unsharded parameter's ``grad_dtype``, upcast for ``_fsdp_params_with_wider_grad_dtype``) in
-    ``_init_mp_dtypes``; right after it we set the compute dtype, and the group still reduces in
-    ``reduce_dtype`` (its copy into the reduce buffer casts). No public setter reaches these."""
+    """Make ``group`` accumulate unreduced (``no_sync``) gradients in the compute dtype, as FSDP1
+    (it casts to ``reduce_dtype`` only to reduce). ``_init_mp_dtypes`` derives the accumulation dtype
+    from ``FSDPParam.reduce_dtype`` (< 2.15: ``unsharded_accumulated_grad``'s; 2.15: the unsharded
+    parameter's ``grad_dtype``, upcast for ``_fsdp_params_with_wider_grad_dtype``): we set the compute
+    dtype right after it; the copy into the reduce buffer still casts. No public setter reaches these."""
     init_mp_dtypes = group._init_mp_dtypes
 
     @functools.wraps(init_mp_dtypes)
@@ -191,18 +184,21 @@ def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
 # ---- runtime controls: no_sync, summon_full_params, comm hooks, recovery (``_runtime``) ----
 
 
-def gradient_sync_flags(module: nn.Module) -> list[tuple[bool, bool]]:
-    """``(reduce_grads, all_reduce_grads)`` of each parameter group of the unit ``module``."""
-    return [(group.reduce_grads, group.all_reduce_grads) for group in param_groups(module)]
-
-
-def set_gradient_sync_flags(module: nn.Module, flags: list[tuple[bool, bool]]) -> None:
-    """Restore what :func:`gradient_sync_flags` returned, both flags (HSDP and ``replicate`` need
-    ``all_reduce_grads`` back, or their gradients are never written). A unit has one group here."""
-    if isinstance(module, FSDPModule) and flags:
-        reduce_grads, all_reduce_grads = flags[0]
-        module.set_requires_gradient_sync(reduce_grads, recurse=False)
-        module.set_requires_all_reduce(all_reduce_grads, recurse=False)
+@contextlib.contextmanager
+def gradient_sync_suspended(modules: list[nn.Module]) -> Iterator[None]:
+    """No gradient reduction in the units ``modules`` for the duration, then both flags of each unit
+    (one group here) restored: HSDP and ``replicate`` need ``all_reduce_grads`` back, or their
+    gradients are never written."""
+    saved = [(cast(FSDPModule, unit), groups[0].reduce_grads, groups[0].all_reduce_grads)
+             for unit in modules if (groups := param_groups(unit))]
+    for unit, _, _ in saved:
+        unit.set_requires_gradient_sync(False, recurse=False)  # both flags off
+    try:
+        yield
+    finally:
+        for unit, reduce_grads, all_reduce_grads in saved:
+            unit.set_requires_gradient_sync(reduce_grads, recurse=False)
+            unit.set_requires_all_reduce(all_reduce_grads, recurse=False)
 
 
 ParamSlot = tuple[nn.Module, str]
@@ -380,13 +376,10 @@ def sparse_values(grad: torch.Tensor) -> torch.Tensor:
 
 
 class GradScalerBase(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose private ``_unscale_grads_`` a subclass overrides as
-    ``unscale_local_grads``."""
+    """``torch.amp.GradScaler`` whose private ``_unscale_grads_`` (unscale ``optimizer``'s gradients
+    in place, return each device's found-inf flag) a subclass defines as ``unscale_local_grads``."""
 
-    def unscale_local_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
-                            found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        """Unscale ``optimizer``'s gradients in place; return each device's found-inf flag."""
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+    unscale_local_grads: Callable[..., dict[torch.device, torch.Tensor]]
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:

@@ -37,11 +37,9 @@ def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolic
     ``reduce_dtype=None`` means ``param_dtype``, the engine's only before torch 2.15)."""
     if mixed_precision is None:
         return MixedPrecisionPolicy(cast_forward_inputs=False)
-    return MixedPrecisionPolicy(
-        param_dtype=mixed_precision.param_dtype,
-        reduce_dtype=mixed_precision.reduce_dtype or mixed_precision.param_dtype,
-        cast_forward_inputs=mixed_precision.cast_forward_inputs,
-    )
+    return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype,
+                                reduce_dtype=mixed_precision.reduce_dtype or mixed_precision.param_dtype,
+                                cast_forward_inputs=mixed_precision.cast_forward_inputs)
 
 
 def engine_offload_policy(cpu_offload: CPUOffload, device: torch.device) -> OffloadPolicy:
@@ -115,13 +113,11 @@ def _cast_buffers_for_computation(units: list[UnitState]) -> None:
     visited: set[int] = set()
     for unit in reversed(units):
         dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
-        ignored = _ignored_buffer_ids(unit)
+        skip = visited | _ignored_buffer_ids(unit)  # a unit's buffers() are distinct
         for buffer in unit.wrapper.buffers():
-            if id(buffer) in visited:
-                continue
-            visited.add(id(buffer))
-            if dtype is not None and id(buffer) not in ignored and buffer.is_floating_point():
+            if dtype is not None and id(buffer) not in skip and buffer.is_floating_point():
                 buffer.data = buffer.to(dtype)
+            visited.add(id(buffer))
 
 
 def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
@@ -154,8 +150,7 @@ def _install_low_precision_grad_hooks(unit: UnitState) -> None:
                 or getattr(param, _LOW_PRECISION_GRAD_MARK, None) == policy.param_dtype):
             continue
         param.grad_dtype = None  # allow a .grad whose dtype differs from the parameter's
-        param.register_post_accumulate_grad_hook(
-            functools.partial(_cast_grad, dtype=policy.param_dtype))
+        param.register_post_accumulate_grad_hook(functools.partial(_cast_grad, dtype=policy.param_dtype))
         setattr(param, _LOW_PRECISION_GRAD_MARK, policy.param_dtype)
 
 

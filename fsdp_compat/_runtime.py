@@ -61,15 +61,8 @@ def no_sync(root: UnitState) -> Generator[None, None, None]:
     if not root.is_root:
         raise RuntimeError("`no_sync()` on inner FSDP instances is not supported. Please call "
                            "`no_sync()` on root FSDP module.")
-    units = [unit.module for unit in units_in(root.wrapper)]
-    saved = [_engine.gradient_sync_flags(unit) for unit in units]
-    for unit, flags in zip(units, saved):
-        _engine.set_gradient_sync_flags(unit, [(False, False)] * len(flags))
-    try:
+    with _engine.gradient_sync_suspended([unit.module for unit in units_in(root.wrapper)]):
         yield
-    finally:
-        for unit, flags in zip(units, saved):
-            _engine.set_gradient_sync_flags(unit, flags)
 
 
 def _as_float(value: Any, name: str, expected: str) -> float:

@@ -34,19 +34,11 @@ class ShardedGradScaler(GradScalerBase):
     ranks that must agree, every rank that shards or replicates the model's parameters (default: all).
     """
 
-    def __init__(
-        self,
-        device: str = "cuda",
-        init_scale: float = 2.0**16,
-        backoff_factor: float = 0.5,
-        growth_factor: float = 2.0,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        process_group: dist.ProcessGroup | None = dist.group.WORLD,
-    ) -> None:
-        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
-                         backoff_factor=backoff_factor, growth_interval=growth_interval,
-                         enabled=enabled)
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, backoff_factor: float = 0.5,
+                 growth_factor: float = 2.0, growth_interval: int = 2000, enabled: bool = True,
+                 process_group: dist.ProcessGroup | None = dist.group.WORLD) -> None:
+        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                         growth_interval=growth_interval, enabled=enabled)
         self.process_group = process_group
 
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
