@@ -20,8 +20,7 @@ def communication_device(group: Any = None) -> torch.device:
 
 
 def broadcast_object(value: Any, group: Any = None) -> Any:
-    """Group rank 0's ``value`` on all ranks of ``group`` (rank 0 gets ``value`` itself back).
-    Two broadcasts: size, then payload."""
+    """Group rank 0's ``value`` on all ranks of ``group`` (rank 0 gets ``value`` itself back): two broadcasts."""
     objects = [value if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(objects, group=group, group_src=0, device=communication_device(group))
     return objects[0]
@@ -30,9 +29,8 @@ def broadcast_object(value: Any, group: Any = None) -> Any:
 def same_on_all_ranks(value: Any, group: Any = None) -> bool:
     """Whether every rank of ``group`` holds a pickled-identical ``value``: one all-gather of
     digests, where ``dist.all_gather_object`` needs two (sizes, then payloads) of whole objects."""
-    device = communication_device(group)
     digest = torch.tensor(list(hashlib.sha256(pickle.dumps(value)).digest()), dtype=torch.uint8,
-                          device=device)
+                          device=communication_device(group))
     everyone = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, digest, group=group)
     return all(torch.equal(other, digest) for other in everyone)
@@ -80,8 +78,7 @@ def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> It
 
 
 def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:
-    """Every global rank's ``value`` (a CPU tensor indexed by rank): an all-reduce along each
-    group in turn reaches every rank the groups span."""
+    """Every global rank's ``value`` (a CPU tensor indexed by rank), by an all-reduce along each group in turn."""
     values = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=communication_device(groups[0]))
     values[dist.get_rank()] = value
     for group in groups:

@@ -207,12 +207,9 @@ ParamSlot = tuple[nn.Module, str]
 def unit_param_slots(module: nn.Module) -> list[tuple[DTensor, list[ParamSlot]]]:
     """Each parameter the unit ``module`` manages: its sharded (DTensor) parameter and every
     ``(submodule, attribute name)`` it is registered under (several for a tied weight)."""
-    result = []
-    for fsdp_param in managed_params(module):
-        info = fsdp_param._module_info
-        slots = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
-        result.append((cast(DTensor, fsdp_param.sharded_param), slots))
-    return result
+    infos = [(cast(DTensor, param.sharded_param), param._module_info) for param in managed_params(module)]
+    return [(sharded, [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)])
+            for sharded, info in infos]
 
 
 def register_param(module: nn.Module, name: str, param: nn.Parameter | DTensor) -> None:

@@ -1,10 +1,8 @@
 """FSDP1's ``MixedPrecision`` and ``CPUOffload`` on the engine's policies, plus what the engine lacks.
 
-The engine's ``MixedPrecisionPolicy`` does ``param_dtype``, ``reduce_dtype`` and
-``cast_forward_inputs``; this module does the rest as FSDP1 does: ``cast_root_forward_inputs`` and
-``buffer_dtype`` at the root's forward (:func:`root_pre_forward`), ``keep_low_precision_grads``
-with post-accumulate-grad hooks, ``_module_classes_to_ignore`` as units of their own
-(:func:`prepare_individually_wrapped`).
+The engine does ``param_dtype``, ``reduce_dtype`` and ``cast_forward_inputs``; this module does the rest
+as FSDP1: ``cast_root_forward_inputs`` and ``buffer_dtype`` at the root's forward, ``keep_low_precision_grads``
+with post-accumulate-grad hooks, ``_module_classes_to_ignore`` as units of their own.
 """
 
 from __future__ import annotations

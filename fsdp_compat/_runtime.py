@@ -80,11 +80,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """FSDP1's total norm over every rank's gradients, in FP32: each group sharded on the same mesh
     dims is reduced over those dims only (a hybrid replica's copy counts once); replicated and plain
-    ones (``NO_SHARD``, ignored parameters) are added locally, last, as in FSDP1.
-
-    Not ``torch.nn.utils.get_total_norm`` (measured): it computes in the gradients' dtype, cannot mix
-    DTensors of different meshes or with plain tensors, and its inf norm fails on an empty shard.
-    """
+    ones (``NO_SHARD``, ignored parameters) are added locally, last, as in FSDP1. Not
+    ``torch.nn.utils.get_total_norm`` (measured): it computes in the gradients' dtype, cannot mix
+    DTensors of different meshes or with plain tensors, and its inf norm fails on an empty shard."""
     infinite = math.isinf(norm_type)
     by_sharding: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
     for grad in grads:
@@ -106,12 +104,10 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.devic
 
 def clip_grad_norm_(unit: UnitState, max_norm: float | int,
                     norm_type: float | int = 2.0) -> torch.Tensor:
-    """Clip all gradients in place by their total norm over every rank; return that norm.
-
-    FSDP1's coefficient ``min(max_norm / (total + 1e-6), 1)``, cast to each gradient's dtype
-    (``clip_grads_with_norm_`` does not, so bf16 results differ, and refuses DTensor and plain
-    gradients together), and FSDP1's return dtype (FP32, with a warning, without gradients).
-    """
+    """Clip all gradients in place by their total norm over every rank; return that norm. FSDP1's
+    coefficient ``min(max_norm / (total + 1e-6), 1)``, cast to each gradient's dtype (``clip_grads_with_norm_``
+    does not, so bf16 results differ, and refuses DTensor and plain gradients together), and FSDP1's
+    return dtype (FP32, with a warning, without gradients)."""
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes.
     with all_ranks_agree(mesh_groups(unit.device_mesh), "The clip_grad_norm_() arguments",
                          "no gradient was clipped on any rank"):
@@ -193,12 +189,9 @@ def _validate_summon_args(units: list[UnitState], writeback: bool, rank0_only: b
 
 def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
                  with_grads: bool, summoned: list[_SummonedParam]) -> None:
-    """Gather the unit's parameters (every rank takes part) and register the full ones; each is in
-    ``summoned`` before it is replaced, so that a failure midway still restores it.
-
-    Gathered from the sharded parameters in their own precision, not by the engine's unshard (in
-    ``param_dtype``): FSDP1 shows full precision, and the copies are independent of the engine's buffers.
-    """
+    """Gather the unit's parameters (every rank takes part) in their own precision, as FSDP1 shows
+    them (the engine's unshard gathers in ``param_dtype``, into its own buffers), and register the full
+    ones; each is in ``summoned`` before it is replaced, so that a failure midway still restores it."""
     items = []
     for engine_sharded, slots in _engine.unit_param_slots(unit.module):
         registered = getattr(*slots[0])
@@ -264,8 +257,7 @@ def register_comm_hook(root: UnitState, state: object, hook: Callable[..., Any])
     """FSDP1's ``register_comm_hook``: ``hook`` replaces the gradient communication of every unit,
     once per unit per synced backward: ``hook(state, grad, output)`` for sharded units (the unit's
     flat, padded local gradient; this rank's reduced chunk), ``hook(state, grad)`` for ``NO_SHARD``
-    ones (all-reduce in place). The hook does its own averaging, as torch's default hooks do.
-    """
+    ones (all-reduce in place). The hook does its own averaging, as torch's default hooks do."""
     units = units_in(root.wrapper)
     # A hook registered on some ranks only would pair its collectives with the engine's default
     # ones on the others: all ranks check first, with FSDP1's checks, order and types.

@@ -1,17 +1,14 @@
 """Moving tensors between layouts: full, sharded like an engine parameter (DTensor), FSDP1's ShardedTensor.
 
-Checkpoints move model and optimizer state between these layouts: one gather (``gather_full_tensors``
-and ``full_tensors`` on top of it), one shard (``shard_like``/``scatter_like``), one broadcast. Every
-conversion returns new memory: a state dict that aliased the live optimizer state would change under
-the user's feet at the next step (FSDP1's own gather reuses one buffer and hands out aliases of it).
+One gather (``gather_full_tensors``, ``full_tensors`` on top of it), one shard (``shard_like``/``scatter_like``),
+one broadcast. Every conversion returns new memory: a state dict aliasing the live optimizer state would
+change at the next step (FSDP1's gather hands out aliases of one reused buffer).
 
-Gathering: the engine shards each parameter on dim 0 in ``torch.chunk`` pieces (``Shard(0)`` on the
-last mesh dimension, ``Replicate()`` on a hybrid mesh's replicate dimension), so a whole unit gathers
-in one all-gather (``DTensor.full_tensor()`` issues one per parameter, several times slower on real
-models). On CPU it is one in-place broadcast per rank's slot: gloo's all-gather stages through a
-fresh copy of the whole output (4x the CPU time, measured on 48 MB). We gather the sharded master
-parameters, not through the engine's ``unshard()``, which gathers in ``MixedPrecision.param_dtype``
-while FSDP1's state dicts hold full precision.
+The engine shards each parameter on dim 0 in ``torch.chunk`` pieces (``Shard(0)`` on the last mesh dim,
+``Replicate()`` on a hybrid mesh's other), so a whole unit gathers in one all-gather (``DTensor.full_tensor()``
+issues one per parameter, several times slower). On CPU, one in-place broadcast per rank's slot: gloo's
+all-gather stages through a copy of the whole output (4x the CPU time on 48 MB). We gather the sharded master
+parameters, not by the engine's ``unshard()`` (in ``param_dtype``; FSDP1's state dicts hold full precision).
 """
 
 from __future__ import annotations
@@ -58,9 +55,8 @@ class GatherBuffer:
 def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
                         out_device: torch.device | None = None, keep: bool = True,
                         buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
-    """Full (unsharded) copies of ``tensors``, with one all-gather per process group and dtype.
-
-    Every rank of the tensors' meshes calls this with the same tensors in the same order.
+    """Full (unsharded) copies of ``tensors``, with one all-gather per process group and dtype; every
+    rank of the tensors' meshes calls this with the same tensors in the same order.
     ``device``: where the collective runs. ``out_device``: where the copies go (default: ``device``;
     a replicated value stays with its local tensor); with the CPU there, each value goes from the
     gathered buffer straight to the CPU, so the accelerator never holds more than that buffer.
@@ -278,8 +274,7 @@ def _first_rows(flat: torch.Tensor, count: int, shape: torch.Size) -> torch.Tens
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """A tensor left out of an object rank 0 broadcasts (cheap to pickle); :func:`broadcast_tensor`
-    sends its values after."""
+    """A tensor left out of an object rank 0 broadcasts; :func:`broadcast_tensor` sends its values."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
