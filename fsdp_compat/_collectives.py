@@ -102,5 +102,4 @@ def _first_failure_message(error: Exception | None, groups: Sequence[Any]) -> st
         text[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     for group in groups:
         dist.all_reduce(text, group=group)
-    data = bytes(text.cpu().tolist()).rstrip(b"\0")
-    return data.decode("utf-8", errors="replace")
+    return bytes(text.cpu().tolist()).rstrip(b"\0").decode("utf-8", errors="replace")

@@ -264,8 +264,7 @@ def recover_interrupted_iteration(module: nn.Module) -> bool:
     # Reduced gradients stay until ``zero_grad()`` (2.15's reset drops them, earlier ones don't).
     reduced = [(fsdp_param.sharded_param, fsdp_param.sharded_param.grad) for fsdp_param in fsdp_params]
     cast(FSDPModule, module).reset_iter_state()
-    # torch < 2.15 may keep ``no_sync`` accumulation apart from ``.grad``; from 2.15
-    # ``unsharded_accumulated_grad`` is a read-only view of ``.grad``.
+    # torch < 2.15 may keep ``no_sync`` accumulation apart from ``.grad`` (2.15: a read-only view of it).
     separate_accumulation = not isinstance(getattr(FSDPParam, "unsharded_accumulated_grad", None), property)
     for fsdp_param in fsdp_params:
         if hasattr(fsdp_param, "_unsharded_param"):
@@ -383,27 +382,23 @@ class GradScalerBase(torch.amp.GradScaler):
         return self.unscale_local_grads(optimizer, inv_scale, found_inf, allow_fp16)
 
     @staticmethod
-    def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
-                           inv_scale: torch.Tensor) -> None:
+    def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
         """``grads`` (one device and dtype) times ``inv_scale`` in place; ``found_inf`` set to 1
         on any inf/NaN (torch's fused kernel; no public entry point)."""
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
 # ---- torch.distributed.checkpoint.state_dict interop ----
-#
-# torch's ``get_state_dict`` / ``set_state_dict`` family (``dsd``) recognises FSDP1 only by its
-# class (it sets FSDP1's state-dict type in ``_StateDictInfo.fsdp_context`` and drops
-# ``_fsdp_wrapped_module.`` in ``_get_fqns``); nothing public lets another class take part
-# (``_fqn_modifiers`` renames model entries only, not optimizer ones). So, at import, we wrap
-# ``_verify_options`` (its ``fsdp_context`` then also publishes the call's options:
-# :func:`distributed_checkpoint_request`) and ``_get_fqns`` (names lose the wrapper segment).
+# torch's ``get_state_dict`` / ``set_state_dict`` family (``dsd``) recognises FSDP1 only by its class (it sets
+# FSDP1's state-dict type in ``_StateDictInfo.fsdp_context`` and drops ``_fsdp_wrapped_module.`` in ``_get_fqns``);
+# nothing public lets another class take part (``_fqn_modifiers`` renames model entries only, not optimizer
+# ones). So, at import, we wrap ``_verify_options`` (its ``fsdp_context`` then also publishes the call's
+# options: :func:`distributed_checkpoint_request`) and ``_get_fqns`` (names lose the wrapper segment).
 # ``tests/test_dcp_state_dict_api.py`` fails loudly when a torch upgrade moves them.
 
 _WRAPPER_SEGMENT = "_fsdp_wrapped_module"
 _INTEROP_MARK = "_fsdp_compat_interop"
-_dcp_request: contextvars.ContextVar[Any | None] = contextvars.ContextVar("fsdp_compat_dcp_request",
-                                                                          default=None)
+_dcp_request: contextvars.ContextVar[Any | None] = contextvars.ContextVar("fsdp_compat_dcp_request", default=None)
 
 
 def distributed_checkpoint_request() -> Any | None:

@@ -33,9 +33,8 @@ def root_pre_forward(root: UnitState, args: tuple[Any, ...],
     if any(unit.training_state == TrainingState.SUMMON_FULL_PARAMS for unit in units):
         raise AssertionError("Cannot run forward inside summon_full_params(); exit the context first "
                              "(inside it the parameters are full copies, for reading or editing)")
-    # If the previous forward or backward raised midway, the engine is reset so this step runs
-    # normally; that step's unreduced gradients (and any no_sync accumulation) are dropped, those
-    # already reduced stay until zero_grad(). (FSDP1 cannot continue: it stays mid-iteration.)
+    # After a forward or backward that raised midway (FSDP1 stays mid-iteration), the engine is reset: that
+    # step's unreduced gradients (and no_sync accumulation) are dropped, reduced ones stay until zero_grad().
     if _engine.recover_interrupted_iteration(root.module):
         warn_once("recovered_iteration", "A previous forward or backward raised midway; "
                   "fsdp_compat reset the FSDP engine and dropped that step's unreduced gradients. "
@@ -102,8 +101,7 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.devic
     return total if infinite else total ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(unit: UnitState, max_norm: float | int,
-                    norm_type: float | int = 2.0) -> torch.Tensor:
+def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
     """Clip all gradients in place by their total norm over every rank; return that norm. FSDP1's
     coefficient ``min(max_norm / (total + 1e-6), 1)``, cast to each gradient's dtype (``clip_grads_with_norm_``
     does not, so bf16 results differ, and refuses DTensor and plain gradients together), and FSDP1's
@@ -192,12 +190,9 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
     """Gather the unit's parameters (every rank takes part) in their own precision, as FSDP1 shows
     them (the engine's unshard gathers in ``param_dtype``, into its own buffers), and register the full
     ones; each is in ``summoned`` before it is replaced, so that a failure midway still restores it."""
-    items = []
-    for engine_sharded, slots in _engine.unit_param_slots(unit.module):
-        registered = getattr(*slots[0])
-        # Normally the same object; the registered one wins if the user swapped in a new DTensor.
-        items.append(_SummonedParam(registered if isinstance(registered, DTensor) else engine_sharded,
-                                    slots, registered))
+    # The registered DTensor is normally the engine's; it wins if the user swapped in a new one.
+    items = [_SummonedParam(registered if isinstance(registered, DTensor) else sharded, slots, registered)
+             for sharded, slots in _engine.unit_param_slots(unit.module) for registered in [getattr(*slots[0])]]
     summoned.extend(items)
     # One all-gather for the whole unit (per dtype), not one per parameter.
     values = gather_full_tensors([item.sharded for item in items], unit.compute_device)

@@ -76,8 +76,7 @@ def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
             batches.setdefault((tensor.device_mesh.get_group(shard_dim), tensor.dtype), []).append(index)
     own_buffer = buffer or GatherBuffer()
     for (group, _), indices in batches.items():
-        fulls = _all_gather_batch([tensors[i] for i in indices], group, device, out_device or device, keep,
-                                  own_buffer)
+        fulls = _all_gather_batch([tensors[i] for i in indices], group, device, out_device or device, keep, own_buffer)
         for i, full in zip(indices, fulls):
             results[i] = full
     if buffer is None:
@@ -287,10 +286,8 @@ class TensorSpec:
 def broadcast_tensor(value: torch.Tensor | TensorSpec, group: Any, device: torch.device) -> torch.Tensor:
     """Rank 0's tensor (``value`` there, in any layout; its :class:`TensorSpec` elsewhere) in full on
     every rank of ``group`` (``None``: the default group), as new memory on ``device``."""
-    if isinstance(value, TensorSpec):
-        tensor = torch.empty(value.shape, dtype=value.dtype, device=device)
-    else:
-        tensor = to_full(value).detach().to(device, copy=True)
+    tensor = (torch.empty(value.shape, dtype=value.dtype, device=device) if isinstance(value, TensorSpec)
+              else to_full(value).detach().to(device, copy=True))
     dist.broadcast(tensor, group_src=0, group=group)
     return tensor
 
