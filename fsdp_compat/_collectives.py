@@ -61,20 +61,17 @@ def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> It
         yield
     except Exception as caught:  # noqa: BLE001 - every failure is agreed on, then re-raised
         error = caught
-    if not dist.is_initialized() or not groups:
-        if error is not None:
-            raise error
-        return
-    kind = next((index for index, agreed in enumerate(_AGREED_TYPES) if isinstance(error, agreed)), 1)
-    codes = _per_rank(0 if error is None else 1 + kind, groups)  # 0: this rank's checks passed
-    failed = codes.nonzero().flatten().tolist()
-    if not failed:
-        return
-    message = _first_failure_message(error if dist.get_rank() == failed[0] else None, groups)
+    if dist.is_initialized() and groups:
+        kind = next((index for index, agreed in enumerate(_AGREED_TYPES) if isinstance(error, agreed)), 1)
+        codes = _per_rank(0 if error is None else 1 + kind, groups)  # 0: this rank's checks passed
+        failed = codes.nonzero().flatten().tolist()
+        if failed:
+            message = _first_failure_message(error if dist.get_rank() == failed[0] else None, groups)
+            if error is None:
+                raise _AGREED_TYPES[int(codes[failed[0]]) - 1](
+                    f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
     if error is not None:
         raise error
-    raise _AGREED_TYPES[int(codes[failed[0]]) - 1](
-        f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
 
 
 def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys  # noq
 
 # [first, end) of (major, minor) the whole suite passes on; ``setup.cfg`` states the same range.
 TESTED_TORCH = ((2, 13), (2, 16))
-_SUPPORTED = "torch>=2.13,<2.16"
+_SUPPORTED = "torch>={}.{},<{}.{}".format(*TESTED_TORCH[0], *TESTED_TORCH[1])
 
 
 def warn_if_untested(version: str = torch.__version__) -> bool:
@@ -186,9 +186,8 @@ def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
 
 @contextlib.contextmanager
 def gradient_sync_suspended(modules: list[nn.Module]) -> Iterator[None]:
-    """No gradient reduction in the units ``modules`` for the duration, then both flags of each unit
-    (one group here) restored: HSDP and ``replicate`` need ``all_reduce_grads`` back, or their
-    gradients are never written."""
+    """No gradient reduction in the units ``modules`` (one group each) for the duration, then both flags
+    restored: HSDP and ``replicate`` need ``all_reduce_grads`` back, or their gradients are never written."""
     saved = [(cast(FSDPModule, unit), groups[0].reduce_grads, groups[0].all_reduce_grads)
              for unit in modules if (groups := param_groups(unit))]
     for unit, _, _ in saved:
