@@ -56,14 +56,12 @@ def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
                         out_device: torch.device | None = None, keep: bool = True,
                         buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
     """Full (unsharded) copies of ``tensors``, with one all-gather per process group and dtype; every
-    rank of the tensors' meshes calls this with the same tensors in the same order.
-    ``device``: where the collective runs. ``out_device``: where the copies go (default: ``device``;
-    a replicated value stays with its local tensor); with the CPU there, each value goes from the
-    gathered buffer straight to the CPU, so the accelerator never holds more than that buffer.
-    ``keep=False`` takes part in the collectives and returns ``[]`` (other ranks under
-    ``rank0_only``), allocating nothing beyond the buffer. ``buffer``: the caller's, reused across
-    calls and released by the caller; default: one freed on return.
-    """
+    rank of the tensors' meshes calls this with the same tensors in the same order. ``device``: where the
+    collective runs. ``out_device``: where the copies go (default: ``device``; a replicated value stays
+    with its local tensor); with the CPU there, each value goes from the gathered buffer straight to the
+    CPU, so the accelerator never holds more than that buffer. ``keep=False`` takes part in the collectives
+    and returns ``[]`` (other ranks under ``rank0_only``), allocating nothing beyond the buffer. ``buffer``:
+    the caller's, reused across calls and released by the caller; default: one freed on return."""
     results: list[torch.Tensor | None] = [None] * len(tensors)
     batches: dict[tuple[dist.ProcessGroup, torch.dtype], list[int]] = {}
     for index, tensor in enumerate(tensors):
@@ -319,10 +317,9 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
 
 
 def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
-    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, on its device;
-    without communication when ``value`` is a DTensor sharded exactly as ``like`` (a decision
-    every rank makes alike). ``copy=False`` may return views of ``value``'s memory (for a load,
-    which copies them into the module)."""
+    """``value`` (any layout, global shape of ``like``) in ``like``'s layout, on its device; without
+    communication when ``value`` is a DTensor sharded exactly as ``like`` (a decision every rank makes
+    alike). ``copy=False`` may return views of ``value``'s memory (for a load, which copies them)."""
     if not isinstance(like, DTensor):
         return to_full(value).detach().to(like.device, copy=copy)
     layout = (like.shape, like.device_mesh, tuple(like.placements))
