@@ -61,10 +61,9 @@ def flat_unit_paths(state_dict: Mapping[str, Any]) -> dict[str, str]:
 
 
 def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: list[Entry]) -> Mapping[str, Any]:
-    """``state_dict`` with FSDP1's flat parameters, if it holds any, replaced by per-parameter
-    DTensors laid out as the engine's. Ranks agree first on whether any of them holds flat
-    parameters, then on whether they fit this model; a misfit raises ``ValueError`` everywhere,
-    nothing loaded. A collective over the root's mesh."""
+    """``state_dict`` with FSDP1's flat parameters, if any rank's has some, replaced by per-parameter
+    DTensors laid out as the engine's; if they do not fit this model on some rank, ``ValueError`` on
+    all of them, nothing loaded. Collectives over the root's mesh."""
     groups = mesh_groups(root.device_mesh)
     if not ranks_where(bool(flat_unit_paths(state_dict)), groups):
         return state_dict
@@ -181,26 +180,21 @@ def _layout(sizes: list[int], alignment: int, world_size: int) -> tuple[list[int
 def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
     """``state_dict`` with each flat parameter replaced by its parameters, as DTensors laid out as
     the engine's (every key that names one, tied weights included: FSDP1's per-parameter views of
-    flat units are overwritten). A collective: one all-gather per unit over its shard group."""
+    flat units are overwritten). A collective: one all-gather of the whole flat parameter (padding
+    included) per unit over its shard group."""
     values: dict[int, DTensor] = {}
-    for unit in units:
-        flat = _gather(unit)
-        for param, offset in zip(unit.params, unit.offsets):
+    for flat_unit in units:
+        group = flat_unit.unit.process_group
+        device = communication_device(group)
+        dtype = flat_unit.value.metadata().tensor_properties.dtype
+        local = torch.zeros(flat_unit.shard_numel, dtype=dtype, device=device)
+        for shard in flat_unit.value.local_shards():
+            local[:shard.tensor.numel()].copy_(shard.tensor.reshape(-1))
+        flat = torch.empty(flat_unit.shard_numel * group.size(), dtype=dtype, device=device)
+        dist.all_gather_single(flat, local, group=group)
+        for param, offset in zip(flat_unit.params, flat_unit.offsets):
             values[id(param)] = shard_like(flat[offset:offset + param.numel()].view(param.shape), param)
     flat_keys = flat_unit_paths(state_dict)  # each matched to a unit, else _plan found an error
     result = {key: value for key, value in state_dict.items() if key not in flat_keys}
     result.update((entry.key, values[id(entry.sharded)]) for entry in entries if id(entry.sharded) in values)
     return result
-
-
-def _gather(flat_unit: _FlatUnit) -> torch.Tensor:
-    """The unit's whole flat parameter (padding included) on every rank of its group."""
-    group = flat_unit.unit.process_group
-    device = communication_device(group)
-    dtype = flat_unit.value.metadata().tensor_properties.dtype
-    local = torch.zeros(flat_unit.shard_numel, dtype=dtype, device=device)
-    for shard in flat_unit.value.local_shards():
-        local[:shard.tensor.numel()].copy_(shard.tensor.reshape(-1))
-    flat = torch.empty(flat_unit.shard_numel * group.size(), dtype=dtype, device=device)
-    dist.all_gather_single(flat, local, group=group)
-    return flat

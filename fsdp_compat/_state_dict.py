@@ -13,9 +13,6 @@ Values are always copies, never views of engine or module memory, so that fillin
 * LOCAL: each parameter's own piece on this rank as a plain tensor (dim-0 ``torch.chunk`` piece
   of the parameter, possibly empty), buffers as plain tensors. Round-trips at the same world size.
 * ``NO_SHARD`` units give full tensors for every type, as FSDP1.
-
-Saving (here) replaces each engine parameter among the entries (``_state_dict_entries``) by its
-form for the type; loading is ``_state_dict_load``'s.
 """
 
 from __future__ import annotations
@@ -82,8 +79,7 @@ def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings)
 
 
 def _exact_config(config: Any, base: type, expected: type, argument: str) -> Any:
-    """``config`` as ours (torch's accepted); ``expected()`` when ``None``; FSDP1 raises
-    ``RuntimeError`` when the class does not belong to the type."""
+    """``config`` as ours (torch's accepted), ``expected()`` for ``None``; FSDP1's ``RuntimeError`` if not that."""
     if config is None:
         return expected()
     try:
@@ -107,8 +103,7 @@ def _previous_settings(units: list[UnitState]) -> StateDictSettings:
         for config in ("state_dict_config", "optim_state_dict_config"):
             if not isinstance(getattr(other, config), type(getattr(first, config))):
                 raise AssertionError(f"All FSDP modules must have the same type of {config}.")
-    return StateDictSettings(first.state_dict_type, first.state_dict_config,
-                             first.optim_state_dict_config)
+    return StateDictSettings(first.state_dict_type, first.state_dict_config, first.optim_state_dict_config)
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
@@ -173,12 +168,10 @@ def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:  # other rank
 
 def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictConfig]],
                             rank: int) -> dict[int, torch.Tensor]:
-    """id(sharded parameter) -> full copy for FULL entries, one collective per unit.
-
-    Each unit's result is offloaded or dropped (``rank0_only``) before the next is gathered: at
-    most one unit's full parameters are on the device at a time. Summoned units are skipped: their
-    full values are on the modules (under ``rank0_only``, on some ranks only: no collective could match).
-    """
+    """id(sharded parameter) -> full copy for FULL entries, one collective per unit, each offloaded or
+    dropped (``rank0_only``) before the next: one unit's full parameters on the device at a time.
+    Summoned units are skipped: their full values are on the modules (under ``rank0_only``, on some
+    ranks only: no collective could match)."""
     by_unit: dict[int, tuple[UnitState, StateDictConfig, dict[int, DTensor]]] = {}
     for entry, entry_type, config in plans:
         if entry_type != StateDictType.FULL_STATE_DICT or entry.sharded is None or entry.summoned:
