@@ -75,8 +75,7 @@ def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: l
 
 
 def _plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[_FlatUnit], list[str]]:
-    """Each sharded unit's flat parameter matched against the layout FSDP1 would give it at this
-    world size, and what does not match. No communication."""
+    """Each sharded unit's flat parameter matched to FSDP1's layout at this world size; the misfits. Local."""
     units: list[_FlatUnit] = []
     errors: list[str] = []
     unmatched = flat_unit_paths(state_dict)
@@ -147,8 +146,7 @@ def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
 
 def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]
                     ) -> list[DTensor]:
-    """The unit's sharded parameters in FSDP1's flattening order: pre-order over all modules
-    under the unit's (as FSDP1 walks them), each parameter at its first slot."""
+    """The unit's sharded parameters in FSDP1's flattening order: pre-order over its modules, each at its first slot."""
     by_slot = {(id(module), name): sharded for sharded, owners in slots for module, name in owners}
     walk = [by_slot.get((id(module), name)) for module in unit.module.modules()
             for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)]
@@ -178,10 +176,9 @@ def _layout(sizes: list[int], alignment: int, world_size: int) -> tuple[list[int
 
 @torch.no_grad()
 def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
-    """``state_dict`` with each flat parameter replaced by its parameters, as DTensors laid out as
-    the engine's (every key that names one, tied weights included: FSDP1's per-parameter views of
-    flat units are overwritten). A collective: one all-gather of the whole flat parameter (padding
-    included) per unit over its shard group."""
+    """``state_dict`` with each flat parameter replaced by its parameters as the engine's DTensors, under every
+    key naming one (tied weights too: FSDP1's per-parameter views of flat units are overwritten). A
+    collective: one all-gather of the whole flat parameter (padding included) per unit, over its shard group."""
     values: dict[int, DTensor] = {}
     for flat_unit in units:
         group = flat_unit.unit.process_group

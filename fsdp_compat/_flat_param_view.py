@@ -20,8 +20,7 @@ from ._unit_state import UnitState
 
 
 class FlatParamView:
-    """FSDP1's ``FlatParameter`` of one unit and its ``FlatParamHandle`` in one object: only
-    ``_orig_param_dtype`` is the handle's."""
+    """FSDP1's ``FlatParameter`` and ``FlatParamHandle`` of one unit (``_orig_param_dtype`` is the handle's)."""
 
     def __init__(self, unit: UnitState) -> None:
         self._unit = unit

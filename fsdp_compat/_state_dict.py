@@ -68,8 +68,7 @@ def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_d
 
 
 def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings) -> None:
-    """Put ``settings`` on ``units``, with no collective: a rank leaving the ``state_dict_type``
-    context by an exception does not wait for the others."""
+    """``settings`` on ``units``, no collective: a rank leaving the context by an exception waits for no other."""
     if settings.state_dict_type is None:
         return
     for unit in units:

@@ -103,8 +103,7 @@ def _load_inside_plain_module(wrapper: nn.Module, state_dict: dict[str, Any], pr
 
 
 def _forget_wrapped_missing_keys(wrapper: nn.Module, incompatible_keys: IncompatibleKeys) -> None:
-    """nn.Module reports the tree's wrapper-prefixed keys missing (the pre-hook handed it none);
-    they were loaded under their clean names."""
+    """Drop the wrapper-prefixed keys nn.Module reports missing: the pre-hook loaded them under clean names."""
     if _root_loaded_from_outside(wrapper) is not None:
         incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys
                                              if FSDP_WRAPPED_MODULE not in key.split(".")]
@@ -223,8 +222,7 @@ def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) ->
 
 
 def _is_local_piece(entry: Entry, value: Any, state_dict_type: StateDictType) -> bool:
-    """Whether ``value`` is this rank's piece of a sharded parameter: a plain tensor (no global
-    shape) under LOCAL, rather than a full tensor."""
+    """Whether ``value`` is this rank's piece of a sharded parameter (a plain tensor under LOCAL), not a full one."""
     return (state_dict_type == StateDictType.LOCAL_STATE_DICT and entry.sharded is not None
             and not entry.full_visible and entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD
             and not (isinstance(value, DTensor) or is_sharded_tensor(value)))
