@@ -75,7 +75,7 @@ def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: l
 
 
 def _plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[_FlatUnit], list[str]]:
-    """Each sharded unit's flat parameter matched to FSDP1's layout at this world size; the misfits. Local."""
+    """Each sharded unit's flat parameter matched to FSDP1's layout at this world size; the misfits. No collective."""
     units: list[_FlatUnit] = []
     errors: list[str] = []
     unmatched = flat_unit_paths(state_dict)

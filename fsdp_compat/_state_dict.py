@@ -68,7 +68,7 @@ def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_d
 
 
 def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings) -> None:
-    """``settings`` on ``units``, no collective: a rank leaving the context by an exception waits for no other."""
+    """Put ``settings`` on ``units``, no collective: a rank leaving the context by an exception waits for none."""
     if settings.state_dict_type is None:
         return
     for unit in units:

@@ -50,10 +50,8 @@ def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
         raw = nn.Module.state_dict(root.wrapper, keep_vars=True)
     finally:
         collecting.reset(token)
-    sharded_by_slot = {(id(module), name): sharded
-                       for unit in units_in(root.wrapper)
-                       for sharded, slots in _engine.unit_param_slots(unit.module)
-                       for module, name in slots}
+    sharded_by_slot = {(id(module), name): sharded for unit in units_in(root.wrapper)
+                       for sharded, slots in _engine.unit_param_slots(unit.module) for module, name in slots}
     entries = []
     for raw_key, value in raw.items():
         owner, attr, unit = _locate(root, raw_key)

@@ -172,10 +172,7 @@ def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> l
         shape, described = target.shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
     else:
         shape, described = (entry.value if sharded is None else sharded).shape, "the shape in current model is"
-    value_shape = value.shape
-    if len(shape) == 0 and len(value_shape) == 1 and value_shape[0] == 1:
-        value_shape = shape  # nn.Module's allowance: a 1-element 1-d value for a 0-d tensor
-    if value_shape != shape:
+    if value.shape != shape and not (len(shape) == 0 and value.shape == (1,)):  # nn.Module takes [1] for []
         return [f"size mismatch for {entry.key}: copying a param with shape {value.shape} from "
                 f"checkpoint, {described} {shape}."]
     try:  # one element copied the way the load will: catches values that cannot be cast (meta...)
