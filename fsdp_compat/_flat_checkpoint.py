@@ -115,8 +115,7 @@ def _unit_name(path: str) -> str:
     return f"unit {path!r}" if path else "the root unit"
 
 
-def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
-           value: Any) -> _FlatUnit | str:
+def _match(unit: UnitState, params: list[DTensor], path: str, key: str, value: Any) -> _FlatUnit | str:
     """The unit's layout that the checkpoint's flat parameter has, or why none fits."""
     if not (hasattr(value, "local_shards") and hasattr(value, "metadata")):  # ShardedTensor's API
         return (f"{key!r} is a {type(value).__name__}; FSDP1's LOCAL_STATE_DICT holds a "
@@ -144,8 +143,7 @@ def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
     return _FlatUnit(unit, params, offsets, shard_numel, value)
 
 
-def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]
-                    ) -> list[DTensor]:
+def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]) -> list[DTensor]:
     """The unit's sharded parameters in FSDP1's flattening order: pre-order over its modules, each at its first slot."""
     by_slot = {(id(module), name): sharded for sharded, owners in slots for module, name in owners}
     walk = [by_slot.get((id(module), name)) for module in unit.module.modules()

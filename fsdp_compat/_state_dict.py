@@ -37,8 +37,7 @@ from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimState
                   OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
                   StateDictSettings, StateDictType, coerce_config, coerce_enum)
 
-__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type_on",
-           "state_dict"]
+__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type_on", "state_dict"]
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -124,8 +123,7 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
                prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
     """The state dict of the wrapper in its state-dict type (see the module docstring)."""
     if collecting.get():
-        return nn.Module.state_dict(root.wrapper, *args, destination=destination, prefix=prefix,
-                                    keep_vars=keep_vars)
+        return nn.Module.state_dict(root.wrapper, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     if args:  # nn.Module.state_dict's deprecated positional form (destination, prefix, keep_vars)
         if len(args) > 3:
             raise TypeError(f"state_dict() takes at most 3 positional arguments, got {len(args)}")
