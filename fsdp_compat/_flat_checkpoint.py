@@ -175,8 +175,7 @@ def _layout(sizes: list[int], alignment: int, world_size: int) -> tuple[list[int
 @torch.no_grad()
 def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
     """``state_dict`` with each flat parameter replaced by its parameters as the engine's DTensors, under every
-    key naming one (tied weights too: FSDP1's per-parameter views of flat units are overwritten). A
-    collective: one all-gather of the whole flat parameter (padding included) per unit, over its shard group."""
+    key naming one (tied weights too). One all-gather of the whole flat parameter per unit, over its shard group."""
     values: dict[int, DTensor] = {}
     for flat_unit in units:
         group = flat_unit.unit.process_group
