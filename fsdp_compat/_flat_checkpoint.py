@@ -61,10 +61,9 @@ def flat_unit_paths(state_dict: Mapping[str, Any]) -> dict[str, str]:
 
 
 def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: list[Entry]) -> Mapping[str, Any]:
-    """``state_dict`` with FSDP1's flat parameters, if it holds any, replaced by per-parameter
-    DTensors laid out as the engine's. Ranks agree first on whether any of them holds flat
-    parameters, then on whether they fit this model; a misfit raises ``ValueError`` everywhere,
-    nothing loaded. A collective over the root's mesh."""
+    """``state_dict`` with FSDP1's flat parameters, if any rank's has some, replaced by per-parameter
+    DTensors laid out as the engine's; if they do not fit this model on some rank, ``ValueError`` on
+    all of them, nothing loaded. Collectives over the root's mesh."""
     groups = mesh_groups(root.device_mesh)
     if not ranks_where(bool(flat_unit_paths(state_dict)), groups):
         return state_dict
@@ -76,8 +75,7 @@ def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: l
 
 
 def _plan(root: UnitState, state_dict: Mapping[str, Any]) -> tuple[list[_FlatUnit], list[str]]:
-    """Each sharded unit's flat parameter matched against the layout FSDP1 would give it at this
-    world size, and what does not match. No communication."""
+    """Each sharded unit's flat parameter matched to FSDP1's layout at this world size; the misfits. No collective."""
     units: list[_FlatUnit] = []
     errors: list[str] = []
     unmatched = flat_unit_paths(state_dict)
@@ -117,8 +115,7 @@ def _unit_name(path: str) -> str:
     return f"unit {path!r}" if path else "the root unit"
 
 
-def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
-           value: Any) -> _FlatUnit | str:
+def _match(unit: UnitState, params: list[DTensor], path: str, key: str, value: Any) -> _FlatUnit | str:
     """The unit's layout that the checkpoint's flat parameter has, or why none fits."""
     if not (hasattr(value, "local_shards") and hasattr(value, "metadata")):  # ShardedTensor's API
         return (f"{key!r} is a {type(value).__name__}; FSDP1's LOCAL_STATE_DICT holds a "
@@ -146,10 +143,8 @@ def _match(unit: UnitState, params: list[DTensor], path: str, key: str,
     return _FlatUnit(unit, params, offsets, shard_numel, value)
 
 
-def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]
-                    ) -> list[DTensor]:
-    """The unit's sharded parameters in FSDP1's flattening order: pre-order over all modules
-    under the unit's (as FSDP1 walks them), each parameter at its first slot."""
+def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]) -> list[DTensor]:
+    """The unit's sharded parameters in FSDP1's flattening order: pre-order over its modules, each at its first slot."""
     by_slot = {(id(module), name): sharded for sharded, owners in slots for module, name in owners}
     walk = [by_slot.get((id(module), name)) for module in unit.module.modules()
             for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)]
@@ -179,28 +174,21 @@ def _layout(sizes: list[int], alignment: int, world_size: int) -> tuple[list[int
 
 @torch.no_grad()
 def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
-    """``state_dict`` with each flat parameter replaced by its parameters, as DTensors laid out as
-    the engine's (every key that names one, tied weights included: FSDP1's per-parameter views of
-    flat units are overwritten). A collective: one all-gather per unit over its shard group."""
+    """``state_dict`` with each flat parameter replaced by its parameters as the engine's DTensors, under every
+    key naming one (tied weights too). One all-gather of the whole flat parameter per unit, over its shard group."""
     values: dict[int, DTensor] = {}
-    for unit in units:
-        flat = _gather(unit)
-        for param, offset in zip(unit.params, unit.offsets):
+    for flat_unit in units:
+        group = flat_unit.unit.process_group
+        device = communication_device(group)
+        dtype = flat_unit.value.metadata().tensor_properties.dtype
+        local = torch.zeros(flat_unit.shard_numel, dtype=dtype, device=device)
+        for shard in flat_unit.value.local_shards():
+            local[:shard.tensor.numel()].copy_(shard.tensor.reshape(-1))
+        flat = torch.empty(flat_unit.shard_numel * group.size(), dtype=dtype, device=device)
+        dist.all_gather_single(flat, local, group=group)
+        for param, offset in zip(flat_unit.params, flat_unit.offsets):
             values[id(param)] = shard_like(flat[offset:offset + param.numel()].view(param.shape), param)
     flat_keys = flat_unit_paths(state_dict)  # each matched to a unit, else _plan found an error
     result = {key: value for key, value in state_dict.items() if key not in flat_keys}
     result.update((entry.key, values[id(entry.sharded)]) for entry in entries if id(entry.sharded) in values)
     return result
-
-
-def _gather(flat_unit: _FlatUnit) -> torch.Tensor:
-    """The unit's whole flat parameter (padding included) on every rank of its group."""
-    group = flat_unit.unit.process_group
-    device = communication_device(group)
-    dtype = flat_unit.value.metadata().tensor_properties.dtype
-    local = torch.zeros(flat_unit.shard_numel, dtype=dtype, device=device)
-    for shard in flat_unit.value.local_shards():
-        local[:shard.tensor.numel()].copy_(shard.tensor.reshape(-1))
-    flat = torch.empty(flat_unit.shard_numel * group.size(), dtype=dtype, device=device)
-    dist.all_gather_single(flat, local, group=group)
-    return flat

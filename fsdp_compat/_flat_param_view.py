@@ -20,8 +20,7 @@ from ._unit_state import UnitState
 
 
 class FlatParamView:
-    """FSDP1's ``FlatParameter`` of one unit and its ``FlatParamHandle`` in one object: only
-    ``_orig_param_dtype`` is the handle's."""
+    """FSDP1's ``FlatParameter`` and ``FlatParamHandle`` of one unit (``_orig_param_dtype`` is the handle's)."""
 
     def __init__(self, unit: UnitState) -> None:
         self._unit = unit
@@ -38,9 +37,8 @@ class FlatParamView:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The narrowest floating-point dtype of the unit's parameters (FSDP1 has one per unit; the
-        engine allows frozen ones of another), so ``dtype != torch.float32`` still tells whether any
-        parameter is held in low precision."""
+        """The narrowest floating-point dtype of the unit's parameters (FSDP1 has one; the engine allows
+        frozen ones of another): ``dtype != torch.float32`` still tells whether any is in low precision."""
         dtypes = {param.dtype for param in self._params()}
         floating = [dtype for dtype in dtypes if dtype.is_floating_point]
         return min(floating or dtypes, key=lambda dtype: dtype.itemsize)

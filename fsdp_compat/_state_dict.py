@@ -13,9 +13,6 @@ Values are always copies, never views of engine or module memory, so that fillin
 * LOCAL: each parameter's own piece on this rank as a plain tensor (dim-0 ``torch.chunk`` piece
   of the parameter, possibly empty), buffers as plain tensors. Round-trips at the same world size.
 * ``NO_SHARD`` units give full tensors for every type, as FSDP1.
-
-Saving (here) replaces each engine parameter among the entries (``_state_dict_entries``) by its
-form for the type; loading is ``_state_dict_load``'s.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimState
                   OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
                   StateDictSettings, StateDictType, coerce_config, coerce_enum)
 
-__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type_on",
-           "state_dict"]
+__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type_on", "state_dict"]
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -71,8 +67,7 @@ def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_d
 
 
 def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings) -> None:
-    """Put ``settings`` on ``units``, with no collective: a rank leaving the ``state_dict_type``
-    context by an exception does not wait for the others."""
+    """Put ``settings`` on ``units``, no collective: a rank leaving the context by an exception waits for none."""
     if settings.state_dict_type is None:
         return
     for unit in units:
@@ -82,8 +77,7 @@ def restore_state_dict_type(units: list[UnitState], settings: StateDictSettings)
 
 
 def _exact_config(config: Any, base: type, expected: type, argument: str) -> Any:
-    """``config`` as ours (torch's accepted); ``expected()`` when ``None``; FSDP1 raises
-    ``RuntimeError`` when the class does not belong to the type."""
+    """``config`` as ours (torch's accepted), ``expected()`` for ``None``; FSDP1's ``RuntimeError`` if not that."""
     if config is None:
         return expected()
     try:
@@ -107,8 +101,7 @@ def _previous_settings(units: list[UnitState]) -> StateDictSettings:
         for config in ("state_dict_config", "optim_state_dict_config"):
             if not isinstance(getattr(other, config), type(getattr(first, config))):
                 raise AssertionError(f"All FSDP modules must have the same type of {config}.")
-    return StateDictSettings(first.state_dict_type, first.state_dict_config,
-                             first.optim_state_dict_config)
+    return StateDictSettings(first.state_dict_type, first.state_dict_config, first.optim_state_dict_config)
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
@@ -130,8 +123,7 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
                prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
     """The state dict of the wrapper in its state-dict type (see the module docstring)."""
     if collecting.get():
-        return nn.Module.state_dict(root.wrapper, *args, destination=destination, prefix=prefix,
-                                    keep_vars=keep_vars)
+        return nn.Module.state_dict(root.wrapper, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     if args:  # nn.Module.state_dict's deprecated positional form (destination, prefix, keep_vars)
         if len(args) > 3:
             raise TypeError(f"state_dict() takes at most 3 positional arguments, got {len(args)}")
@@ -173,12 +165,10 @@ def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:  # other rank
 
 def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictConfig]],
                             rank: int) -> dict[int, torch.Tensor]:
-    """id(sharded parameter) -> full copy for FULL entries, one collective per unit.
-
-    Each unit's result is offloaded or dropped (``rank0_only``) before the next is gathered: at
-    most one unit's full parameters are on the device at a time. Summoned units are skipped: their
-    full values are on the modules (under ``rank0_only``, on some ranks only: no collective could match).
-    """
+    """id(sharded parameter) -> full copy for FULL entries, one collective per unit, each offloaded or
+    dropped (``rank0_only``) before the next: one unit's full parameters on the device at a time.
+    Summoned units are skipped: their full values are on the modules (under ``rank0_only``, on some
+    ranks only: no collective could match)."""
     by_unit: dict[int, tuple[UnitState, StateDictConfig, dict[int, DTensor]]] = {}
     for entry, entry_type, config in plans:
         if entry_type != StateDictType.FULL_STATE_DICT or entry.sharded is None or entry.summoned:

@@ -50,10 +50,8 @@ def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
         raw = nn.Module.state_dict(root.wrapper, keep_vars=True)
     finally:
         collecting.reset(token)
-    sharded_by_slot = {(id(module), name): sharded
-                       for unit in units_in(root.wrapper)
-                       for sharded, slots in _engine.unit_param_slots(unit.module)
-                       for module, name in slots}
+    sharded_by_slot = {(id(module), name): sharded for unit in units_in(root.wrapper)
+                       for sharded, slots in _engine.unit_param_slots(unit.module) for module, name in slots}
     entries = []
     for raw_key, value in raw.items():
         owner, attr, unit = _locate(root, raw_key)
@@ -105,12 +103,9 @@ def check_not_in_iteration(unit: UnitState, what: str) -> None:
 
 
 def effective_settings(unit: UnitState) -> tuple[StateDictType, StateDictConfig]:
-    """The wrapper's type and config, or what ``torch.distributed.checkpoint.state_dict`` asks for.
-
-    torch gives FSDP1 modules SHARDED or FULL state dicts from a ``get_state_dict`` / ``set_state_dict``
-    call's options by setting their state-dict type first; it does not know our class, so the adapter
-    publishes the options while torch runs the model's ``state_dict`` / ``load_state_dict``.
-    """
+    """The wrapper's type and config, or what ``torch.distributed.checkpoint.state_dict`` asks for: torch
+    sets FSDP1 modules' type from a ``get_state_dict`` / ``set_state_dict`` call's options; not knowing our
+    class, it has the adapter publish them while it runs the model's ``state_dict`` / ``load_state_dict``."""
     options = _engine.distributed_checkpoint_request()
     if options is None:
         return unit.state_dict_type, unit.state_dict_config

@@ -67,12 +67,8 @@ def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
         raw = OrderedDict((entry.raw_key, _as_target_form(entry, value, state_dict_type))
                           for entry, value in incoming if not entry.full_visible)
     raw._metadata = _raw_metadata(root.wrapper, metadata)  # type: ignore[attr-defined]
-    token = _loading.set(True)
-    try:
-        with _shards_registered(units):
-            nn.Module.load_state_dict(root.wrapper, raw, strict=False, assign=assign)
-    finally:
-        _loading.reset(token)
+    with _nn_module_loading(units):
+        nn.Module.load_state_dict(root.wrapper, raw, strict=False, assign=assign)
     with torch.no_grad():
         for entry, value in incoming:
             if entry.full_visible:  # inside summon_full_params the full parameters are loaded
@@ -107,46 +103,46 @@ def _load_inside_plain_module(wrapper: nn.Module, state_dict: dict[str, Any], pr
 
 
 def _forget_wrapped_missing_keys(wrapper: nn.Module, incompatible_keys: IncompatibleKeys) -> None:
-    """nn.Module reports the tree's wrapper-prefixed keys missing (the pre-hook handed it none);
-    they were loaded under their clean names."""
+    """Drop the wrapper-prefixed keys nn.Module reports missing: the pre-hook loaded them under clean names."""
     if _root_loaded_from_outside(wrapper) is not None:
         incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys
                                              if FSDP_WRAPPED_MODULE not in key.split(".")]
 
 
 @contextlib.contextmanager
-def _shards_registered(units: list[UnitState]) -> Iterator[None]:
-    """The engine's post-load hooks re-read each parameter's registration and expect its shard;
-    summoned units show full parameters instead, so their shards stand in during the load."""
+def _nn_module_loading(units: list[UnitState]) -> Iterator[None]:
+    """While ``nn.Module`` copies into the wrapper: our load hooks stand aside (``_loading``), and summoned
+    units' shards stand in for the full parameters they show (the engine's post-load hooks re-read each
+    parameter's registration and expect its shard)."""
     swapped = [(slots, sharded, getattr(*slots[0])) for unit in units
                if unit.training_state == TrainingState.SUMMON_FULL_PARAMS
                for sharded, slots in _engine.unit_param_slots(unit.module) if getattr(*slots[0]) is not sharded]
     for slots, sharded, _ in swapped:
         for module, attr in slots:
             _engine.register_param(module, attr, sharded)
+    token = _loading.set(True)
     try:
         yield
     finally:
+        _loading.reset(token)
         for slots, _, shown in swapped:
             for module, attr in slots:
                 _engine.register_param(module, attr, shown)
 
 
 def _as_tensor_if_tensor_like(value: Any) -> Any:
-    """A tensor-like value that is not a tensor (a ``__torch_function__`` object, such as the lazily
-    loaded tensors of Lightning's FULL checkpoints) as the tensor it stands for. ``nn.Module`` only
-    reaches such values through torch functions (``copy_``), which load them; so does this."""
+    """A ``__torch_function__`` tensor-like (Lightning's lazily loaded FULL checkpoint tensors) as the
+    tensor it stands for, loaded by a torch function as ``nn.Module``'s ``copy_`` would."""
     if isinstance(value, torch.Tensor) or not torch.overrides.is_tensor_like(value):
         return value
     return torch.detach(value)
 
 
 def _as_given_by_distributed_checkpoint(state_dict: Mapping[str, Any], entries: list[Entry]) -> Mapping[str, Any]:
-    """What ``torch.distributed.checkpoint``'s ``set_state_dict`` means by the dict it passes us.
-    With ``full_state_dict`` or ``broadcast_from_rank0`` it adds the model's own tensors under
-    their wrapper-prefixed names (from ``named_parameters``) next to the clean keys: writing a
-    tensor onto itself is a no-op, so they are dropped (under ``broadcast_from_rank0``, torch,
-    taking our modules for FSDP1's, has already broadcast rank 0's values into them)."""
+    """``torch.distributed.checkpoint.set_state_dict`` (``full_state_dict``, ``broadcast_from_rank0``) adds
+    the model's own tensors under their wrapper-prefixed ``named_parameters`` names next to the clean keys:
+    dropped, as writing a tensor onto itself is a no-op (under ``broadcast_from_rank0`` torch, taking
+    our modules for FSDP1's, has already broadcast rank 0's values into them)."""
     if _engine.distributed_checkpoint_request() is None:
         return state_dict
     own = {entry.raw_key: entry.value for entry in entries}
@@ -155,15 +151,11 @@ def _as_given_by_distributed_checkpoint(state_dict: Mapping[str, Any], entries: 
 
 
 def _key_errors(missing: list[str], unexpected: list[str]) -> list[str]:
-    errors = []
-    if missing:
-        errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
-    if unexpected:
-        errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
-        if any(key.endswith(_flat_checkpoint.FLAT_PARAM) for key in unexpected):
-            errors.append("This looks like a torch-FSDP1 LOCAL_STATE_DICT (flat parameters): load it "
-                          "under StateDictType.LOCAL_STATE_DICT, with the world size and wrapping it "
-                          "was written with.")
+    errors = ["{} key(s) in state_dict: {}. ".format(kind, ", ".join(f'"{k}"' for k in keys))
+              for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
+    if any(key.endswith(_flat_checkpoint.FLAT_PARAM) for key in unexpected):
+        errors.append("This looks like a torch-FSDP1 LOCAL_STATE_DICT (flat parameters): load it under "
+                      "StateDictType.LOCAL_STATE_DICT, with the world size and wrapping it was written with.")
     return errors
 
 
@@ -180,10 +172,7 @@ def _value_errors(entry: Entry, value: Any, state_dict_type: StateDictType) -> l
         shape, described = target.shape, "this rank's LOCAL_STATE_DICT piece of the model has shape"
     else:
         shape, described = (entry.value if sharded is None else sharded).shape, "the shape in current model is"
-    value_shape = value.shape
-    if len(shape) == 0 and len(value_shape) == 1 and value_shape[0] == 1:
-        value_shape = shape  # nn.Module's allowance: a 1-element 1-d value for a 0-d tensor
-    if value_shape != shape:
+    if value.shape != shape and not (len(shape) == 0 and value.shape == (1,)):  # nn.Module takes [1] for []
         return [f"size mismatch for {entry.key}: copying a param with shape {value.shape} from "
                 f"checkpoint, {described} {shape}."]
     try:  # one element copied the way the load will: catches values that cannot be cast (meta...)
@@ -230,8 +219,7 @@ def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) ->
 
 
 def _is_local_piece(entry: Entry, value: Any, state_dict_type: StateDictType) -> bool:
-    """Whether ``value`` is this rank's piece of a sharded parameter: a plain tensor (no global
-    shape) under LOCAL, rather than a full tensor."""
+    """Whether ``value`` is this rank's piece of a sharded parameter (a plain tensor under LOCAL), not a full one."""
     return (state_dict_type == StateDictType.LOCAL_STATE_DICT and entry.sharded is not None
             and not entry.full_visible and entry.unit.sharding_strategy != ShardingStrategy.NO_SHARD
             and not (isinstance(value, DTensor) or is_sharded_tensor(value)))
