@@ -48,19 +48,17 @@ def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn
                 "between its submodules is supported), or tie the parameter inside one root")
 
 
-def is_forwardless_container(module: nn.Module) -> bool:
-    """An ``nn.ModuleList`` / ``nn.ModuleDict`` that is iterated, never called."""
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
-
-
-def check_container_has_no_own_params(module: nn.Module, ignored_params: set[nn.Parameter]) -> None:
-    """A container is only wrappable when all its parameters belong to nested units (or are ignored)."""
-    own = [name for name, p in module.named_parameters()
-           if p not in ignored_params and not isinstance(p, DTensor)]
+def is_forwardless_container(module: nn.Module, ignored_params: set[nn.Parameter]) -> bool:
+    """An ``nn.ModuleList`` / ``nn.ModuleDict`` that is iterated, never called; one is only wrappable
+    when all its parameters belong to nested units (or are ignored)."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is not nn.Module.forward:
+        return False
+    own = [name for name, p in module.named_parameters() if p not in ignored_params and not isinstance(p, DTensor)]
     if own:
         raise ValueError(f"Cannot shard {type(module).__name__} parameters {own[:3]} directly: the container has no "
                          "forward, so nothing would gather them. Wrap its children instead (e.g. "
                          "ModuleWrapPolicy({YourBlock}))")
+    return True
 
 
 def resolve_ignored_states(module: nn.Module, ignored_modules: Iterable[nn.Module] | None,
