@@ -111,13 +111,11 @@ def unit_modules(root: nn.Module, ignored_modules: set[nn.Module], breadth_first
 
 
 class MetaMaterializer:
-    """Gives meta-device modules real storage and initial values.
-
-    Without ``param_init_fn``, each module's own meta tensors get storage on ``device`` and its
-    ``reset_parameters()`` runs, in pre-order (eager construction's order: the same seed gives the
-    same values); a tied tensor keeps its first owner's value. With ``param_init_fn`` (FSDP1's
-    semantics) it runs on every module of a unit, breadth-first, when that unit is built.
-    """
+    """Gives meta-device modules real storage and initial values: without ``param_init_fn``, each
+    module's own meta tensors get storage on ``device`` and its ``reset_parameters()`` runs, in pre-order
+    (eager construction's order: the same seed gives the same values; a tied tensor keeps its first
+    owner's value); with it (FSDP1's semantics), it runs on every module of a unit, breadth-first, when
+    that unit is built."""
 
     def __init__(self, device: torch.device, ignored_modules: set[nn.Module],
                  param_init_fn: Callable[[nn.Module], None] | None) -> None:

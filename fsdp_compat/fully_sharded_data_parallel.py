@@ -69,12 +69,10 @@ def _warn_about_no_shard(requested: ShardingStrategy, unit: UnitState) -> None:
 def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
     """Wrap a submodule chosen by the auto-wrap policy, passing the ignored states inside it as given."""
     if parent.ignored_modules:
-        inside = set(child.modules())
-        ignored = [m for m in parent.ignored_modules if m in inside and m is not child]
+        ignored = parent.ignored_modules & set(child.modules()) - {child}
         top_level = [m for m in ignored if not any(m in set(o.children()) for o in ignored)]
         return FullyShardedDataParallel(child, ignored_modules=top_level or None, **kwargs)
-    inside_params = set(child.parameters())
-    ignored_params = [p for p in parent.ignored_params if p in inside_params]
+    ignored_params = list(parent.ignored_params & set(child.parameters()))
     return FullyShardedDataParallel(child, ignored_states=ignored_params or None, **kwargs)
 
 
