@@ -48,19 +48,17 @@ def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn
                 "between its submodules is supported), or tie the parameter inside one root")
 
 
-def is_forwardless_container(module: nn.Module) -> bool:
-    """An ``nn.ModuleList`` / ``nn.ModuleDict`` that is iterated, never called."""
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
-
-
-def check_container_has_no_own_params(module: nn.Module, ignored_params: set[nn.Parameter]) -> None:
-    """A container is only wrappable when all its parameters belong to nested units (or are ignored)."""
-    own = [name for name, p in module.named_parameters()
-           if p not in ignored_params and not isinstance(p, DTensor)]
+def is_forwardless_container(module: nn.Module, ignored_params: set[nn.Parameter]) -> bool:
+    """An ``nn.ModuleList`` / ``nn.ModuleDict`` that is iterated, never called; one is only wrappable
+    when all its parameters belong to nested units (or are ignored)."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is not nn.Module.forward:
+        return False
+    own = [name for name, p in module.named_parameters() if p not in ignored_params and not isinstance(p, DTensor)]
     if own:
         raise ValueError(f"Cannot shard {type(module).__name__} parameters {own[:3]} directly: the container has no "
                          "forward, so nothing would gather them. Wrap its children instead (e.g. "
                          "ModuleWrapPolicy({YourBlock}))")
+    return True
 
 
 def resolve_ignored_states(module: nn.Module, ignored_modules: Iterable[nn.Module] | None,
@@ -113,13 +111,11 @@ def unit_modules(root: nn.Module, ignored_modules: set[nn.Module], breadth_first
 
 
 class MetaMaterializer:
-    """Gives meta-device modules real storage and initial values.
-
-    Without ``param_init_fn``, each module's own meta tensors get storage on ``device`` and its
-    ``reset_parameters()`` runs, in pre-order (eager construction's order: the same seed gives the
-    same values); a tied tensor keeps its first owner's value. With ``param_init_fn`` (FSDP1's
-    semantics) it runs on every module of a unit, breadth-first, when that unit is built.
-    """
+    """Gives meta-device modules real storage and initial values: without ``param_init_fn``, each
+    module's own meta tensors get storage on ``device`` and its ``reset_parameters()`` runs, in pre-order
+    (eager construction's order: the same seed gives the same values; a tied tensor keeps its first
+    owner's value); with it (FSDP1's semantics), it runs on every module of a unit, breadth-first, when
+    that unit is built."""
 
     def __init__(self, device: torch.device, ignored_modules: set[nn.Module],
                  param_init_fn: Callable[[nn.Module], None] | None) -> None:

@@ -18,19 +18,16 @@ except (AttributeError, ImportError):  # a torch without FSDP1: nothing of torch
     TORCH_FSDP1_CLASS = None
 
 
-def units_inside(module: nn.Module, cls: type | None) -> list[str]:
-    """Paths of up to three of ``module``'s modules (itself included) that are ``cls`` instances."""
-    found = [name or "<the module itself>" for name, m in module.named_modules() if cls and isinstance(m, cls)]
-    return found[:3]
+def refuse_mixing(module: nn.Module, cls: type | None, contains: str, wrapper: str, advice: str) -> None:
+    """Refuse ``module`` if it (or a submodule) is a ``cls``: one model, one FSDP implementation."""
+    inside = [name or "<the module itself>" for name, m in module.named_modules() if cls and isinstance(m, cls)][:3]
+    if inside:
+        raise ValueError(f"Cannot wrap a module that {contains} (at {inside}) with {wrapper}: the two "
+                         f"implementations cannot be mixed in one model. {advice}")
 
 
 def check_no_torch_fsdp1_inside(module: nn.Module) -> None:
-    """One model, one FSDP implementation: their units cannot gather, reduce or checkpoint together."""
-    inside = units_inside(module, TORCH_FSDP1_CLASS)
-    if inside:
-        raise ValueError(
-            f"Cannot wrap a module that already contains torch's FSDP1 FullyShardedDataParallel "
-            f"(at {inside}) with fsdp_compat.FullyShardedDataParallel: the two implementations "
-            "cannot be mixed in one model. Build the model with one class only — call "
-            "fsdp_compat.patch_torch() before any wrapping so every framework builds fsdp_compat's class"
-        )
+    """Refuse torch's FSDP1 units inside ours: their units cannot gather, reduce or checkpoint together."""
+    refuse_mixing(module, TORCH_FSDP1_CLASS, "already contains torch's FSDP1 FullyShardedDataParallel",
+                  "fsdp_compat.FullyShardedDataParallel", "Build the model with one class only — call "
+                  "fsdp_compat.patch_torch() before any wrapping so every framework builds fsdp_compat's class")

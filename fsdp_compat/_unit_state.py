@@ -1,8 +1,5 @@
-"""What one wrapper (one engine unit) is: every field, in one dataclass, made by the wrapper's ``__init__``.
-
-Feature modules take a :class:`UnitState` (or a root's list of them), never the wrapper class, and
-ask "is this module a wrapper?" only through :func:`state_of`.
-"""
+"""What one wrapper (one engine unit) is, in one dataclass: feature modules take a :class:`UnitState`
+(or a root's list of them), never the wrapper class, and ask "is this a wrapper?" only through :func:`state_of`."""
 
 from __future__ import annotations
 

@@ -106,7 +106,8 @@ def _save(wrapped: FullyShardedDataParallel, output: str, output_format: str) ->
     dist.barrier()
 
 
-def _parser() -> argparse.ArgumentParser:
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command line (see the module docstring); starts a process group if there is none."""
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_compat.convert",
         description="Convert a torch FSDP1 LOCAL_STATE_DICT checkpoint (one file per rank, flat "
@@ -119,12 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignored-modules", nargs="*", default=[], metavar="PATH",
                         help="modules that were ignored (ignored_modules) when the checkpoint was written")
     parser.add_argument("--backend", default="gloo", help="process-group backend (default gloo: CPU)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """The command line (see the module docstring); starts a process group if there is none."""
-    args = _parser().parse_args(argv)
+    args = parser.parse_args(argv)
     model = pkgutil.resolve_name(args.model)()
     started = not dist.is_initialized()
     if started and "MASTER_ADDR" not in os.environ:  # no torchrun: a one-rank checkpoint

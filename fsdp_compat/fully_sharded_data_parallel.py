@@ -15,9 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _orig_params, _runtime, _state_dict
 from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, clean_name, warn_once
-from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_container_has_no_own_params, check_module,
-                          check_not_shared_with_another_root, is_forwardless_container, remember_sharded,
-                          resolve_ignored_states)
+from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_module, check_not_shared_with_another_root,
+                          is_forwardless_container, remember_sharded, resolve_ignored_states)
 from ._mesh import build_mesh, flatten_to_1d, resolve_device
 from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
@@ -29,15 +28,9 @@ from .wrap import apply_wrapping, plan_wrapping
 # OptimStateKeyType is re-exported: FSDP1 users import it from this module too.
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
-# reshard_after_forward per strategy; ``None`` lets the engine keep the root unsharded after
-# forward (it is needed again at once in backward), as FSDP1 does for its root.
-_RESHARD_AFTER_FORWARD: dict[ShardingStrategy, bool | None] = {
-    ShardingStrategy.FULL_SHARD: None,
-    ShardingStrategy.HYBRID_SHARD: None,
-    ShardingStrategy.SHARD_GRAD_OP: False,
-    ShardingStrategy._HYBRID_SHARD_ZERO2: False,
-    ShardingStrategy.NO_SHARD: False,
-}
+# ``reshard_after_forward=None`` for these (False for the others): the engine reshards after forward
+# but keeps the root unsharded (it is needed again at once in backward), as FSDP1 does.
+_RESHARDING = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 class _OnState:
@@ -76,12 +69,10 @@ def _warn_about_no_shard(requested: ShardingStrategy, unit: UnitState) -> None:
 def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
     """Wrap a submodule chosen by the auto-wrap policy, passing the ignored states inside it as given."""
     if parent.ignored_modules:
-        inside = set(child.modules())
-        ignored = [m for m in parent.ignored_modules if m in inside and m is not child]
+        ignored = parent.ignored_modules & set(child.modules()) - {child}
         top_level = [m for m in ignored if not any(m in set(o.children()) for o in ignored)]
         return FullyShardedDataParallel(child, ignored_modules=top_level or None, **kwargs)
-    inside_params = set(child.parameters())
-    ignored_params = [p for p in parent.ignored_params if p in inside_params]
+    ignored_params = list(parent.ignored_params & set(child.parameters()))
     return FullyShardedDataParallel(child, ignored_states=ignored_params or None, **kwargs)
 
 
@@ -127,10 +118,8 @@ class FullyShardedDataParallel(nn.Module):
         # their replacements (meta materialisation, sharding) at their next step.
         original_params = _orig_params.param_slots(module)
         if process_group is not None and device_mesh is not None:
-            raise ValueError(
-                "Cannot pass both process_group and device_mesh at the same time. "
-                "Please just pass only one of them."
-            )
+            raise ValueError("Cannot pass both process_group and device_mesh at the same time. "
+                             "Please just pass only one of them.")
         strategy = coerce_enum(sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD,
                                ShardingStrategy, "sharding_strategy")
         cpu_offload = CPUOffload() if cpu_offload is None else coerce_config(cpu_offload, CPUOffload, "cpu_offload")
@@ -179,12 +168,10 @@ class FullyShardedDataParallel(nn.Module):
         # FSDP1 records these per unit, with clean names relative to the unit, before any cast.
         state.buffer_name_to_orig_dtype = {clean_name(name): buffer.dtype for name, buffer in self.named_buffers()}
         register_load_hooks(self)
-        if is_forwardless_container(module):
-            # FSDP1 lets a policy wrap a ModuleList whose children are all wrapped (the wrapper is
-            # then only iterated, never called); the engine refuses such containers, and with no
-            # parameters of their own they need no engine unit.
-            check_container_has_no_own_params(module, ignored_params)
-        else:
+        # FSDP1 lets a policy wrap a ModuleList whose children are all wrapped (the wrapper is then
+        # only iterated, never called); the engine refuses such containers, and with no parameters
+        # of their own they need no engine unit.
+        if not is_forwardless_container(module, ignored_params):
             _engine.apply_engine(
                 module,
                 # NO_SHARD replicates over every rank of the mesh: a hybrid strategy switched to it
@@ -192,7 +179,7 @@ class FullyShardedDataParallel(nn.Module):
                 # all-reduces over the one-rank group only (README, "Differences from torch FSDP1").
                 mesh=flatten_to_1d(state.device_mesh) if strategy == ShardingStrategy.NO_SHARD else state.device_mesh,
                 replicate_only=strategy == ShardingStrategy.NO_SHARD,
-                reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy],
+                reshard_after_forward=None if strategy in _RESHARDING else False,
                 mp_policy=_mixed_precision.engine_policy(state.mixed_precision),
                 offload_policy=_mixed_precision.engine_offload_policy(state.cpu_offload, compute_device),
                 ignored_params=ignored_params,
@@ -291,12 +278,9 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     @contextlib.contextmanager
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> Generator[None, None, None]:
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                        state_dict_config: StateDictConfig | None = None,
+                        optim_state_dict_config: OptimStateDictConfig | None = None) -> Generator[None, None, None]:
         """Context manager form of :meth:`set_state_dict_type`; restores the previous settings."""
         units = units_in(module)
         previous = _state_dict.set_state_dict_type_on(units, state_dict_type, state_dict_config,

@@ -20,7 +20,7 @@ import torch.distributed.fsdp
 import torch.nn as nn
 
 from . import _lightning_dtensor_check
-from ._torch_fsdp1 import TORCH_FSDP1_CLASS, units_inside
+from ._torch_fsdp1 import TORCH_FSDP1_CLASS, refuse_mixing
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
 __all__ = ["is_torch_patched", "patch_torch", "torch_patched", "unpatch_torch"]
@@ -55,9 +55,7 @@ def patch_torch() -> None:
         # Installed once and left in place, inactive while the switch is off: CPython cannot
         # delete a class's __new__ cleanly (object.__new__ then rejects the constructor's arguments).
         TORCH_FSDP1_CLASS.__new__ = staticmethod(_refuse_our_units_inside)  # type: ignore[method-assign, assignment]
-    rebound, unreachable = _rebind_references()
-    _rebound.extend(rebound)
-    _warn_about_late_references(rebound, unreachable)
+    _rebind_references(_rebound)
 
 
 def unpatch_torch() -> None:
@@ -93,20 +91,15 @@ def _refuse_our_units_inside(cls: type, *args: Any, **kwargs: Any) -> Any:
     """``__new__`` of torch's FSDP1 class while patched: refuses before torch's ``__init__`` runs."""
     module = args[0] if args else kwargs.get("module")
     if is_torch_patched() and isinstance(module, nn.Module):
-        inside = units_inside(module, FullyShardedDataParallel)
-        if inside:
-            raise ValueError(
-                f"Cannot wrap a module that contains fsdp_compat.FullyShardedDataParallel units (at "
-                f"{inside}) with torch's FSDP1 FullyShardedDataParallel: the two implementations "
-                "cannot be mixed in one model. fsdp_compat.patch_torch() is on, so wrap it with "
-                "torch.distributed.fsdp.FullyShardedDataParallel (now fsdp_compat's class) instead"
-            )
+        refuse_mixing(module, FullyShardedDataParallel, "contains fsdp_compat.FullyShardedDataParallel units",
+                      "torch's FSDP1 FullyShardedDataParallel", "fsdp_compat.patch_torch() is on, so wrap it "
+                      "with torch.distributed.fsdp.FullyShardedDataParallel (now fsdp_compat's class) instead")
     return object.__new__(cls)
 
 
-def _rebind_references() -> tuple[list[tuple[Any, str]], list[str]]:
-    """Rebind torch's class in imported modules and their classes; return what was rebound and the
-    names of containers holding it, which cannot be."""
+def _rebind_references(record: list[tuple[Any, str]]) -> None:
+    """Rebind torch's class in imported modules and their classes, adding each to ``record``; warn
+    about references bound before the switch and about containers holding the class (never rebound)."""
     rebound: list[tuple[Any, str]] = []
     unreachable: list[str] = []
     for module_name, module in list(sys.modules.items()):
@@ -122,22 +115,7 @@ def _rebind_references() -> tuple[list[tuple[Any, str]], list[str]]:
                     rebound.append((owner, name))
                 elif owner is module and _holds_torch_class(value):
                     unreachable.append(f"{module_name}.{name}")
-    return rebound, unreachable
-
-
-def _holds_torch_class(value: Any) -> bool:
-    # Exact built-in containers only, read without calling their methods: anything else (lazy
-    # mappings, module proxies) may import or warn when touched, and is not ours to inspect.
-    if type(value) not in (dict, tuple, list, set, frozenset):
-        return False
-    return any(item is TORCH_FSDP1_CLASS for item in (dict.values(value) if type(value) is dict else value))
-
-
-def _owner_name(owner: Any) -> str:
-    return f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
-
-
-def _warn_about_late_references(rebound: list[tuple[Any, str]], unreachable: list[str]) -> None:
+    record.extend(rebound)  # before warning: undone by unpatch_torch even if a warning raises
     # torch's own module-level aliases are expected and handled; anything else bound torch's class
     # before the switch, so objects it already built with it remain torch's.
     late = [f"{_owner_name(owner)}.{name}" for owner, name in rebound
@@ -153,3 +131,14 @@ def _warn_about_late_references(rebound: list[tuple[Any, str]], unreachable: lis
             f"fsdp_compat.patch_torch() cannot rebind torch's FSDP1 class held inside {unreachable}: "
             "code using those still sees torch's class. Call patch_torch() before importing them",
             UserWarning, stacklevel=3)
+
+
+def _holds_torch_class(value: Any) -> bool:
+    # Exact built-in containers only, read without calling their methods: anything else (lazy
+    # mappings, module proxies) may import or warn when touched, and is not ours to inspect.
+    return type(value) in (dict, tuple, list, set, frozenset) and any(
+        item is TORCH_FSDP1_CLASS for item in (dict.values(value) if type(value) is dict else value))
+
+
+def _owner_name(owner: Any) -> str:
+    return f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__

@@ -21,13 +21,10 @@ from .patch import patch_torch
 
 PATCH_ENV = "FSDP_COMPAT_PATCH_TORCH"
 
-_USAGE = "usage: python -m fsdp_compat.run (script.py | -m module) [args ...]"
-
-
 def main(argv: list[str]) -> None:
     """Switch torch's FSDP1 names, then run ``argv`` (``script.py args`` or ``-m module args``)."""
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit(_USAGE)
+        raise SystemExit("usage: python -m fsdp_compat.run (script.py | -m module) [args ...]")
     os.environ[PATCH_ENV] = "1"
     patch_torch()
     if argv[0] == "-m":

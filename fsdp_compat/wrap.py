@@ -29,20 +29,6 @@ class _Policy:
 
     _lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]
 
-    def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module],
-                    root_kwargs: dict[str, Any]) -> dict[nn.Module, dict[str, Any]]:
-        targets: dict[nn.Module, dict[str, Any]] = {}
-        for module in root_module.modules():
-            if module in ignored_modules:
-                continue
-            decision = self._lambda_fn(module)
-            if not isinstance(decision, (dict, bool)):
-                raise ValueError("The lambda_fn passed to CustomPolicy should return False/True or a kwarg "
-                                 f"dict, but it returned {decision}")
-            if decision:
-                targets[module] = {**root_kwargs, **(decision if isinstance(decision, dict) else {})}
-        return targets
-
 
 class ModuleWrapPolicy(_Policy):
     """Wrap every submodule that is an instance of one of ``module_classes``."""
@@ -95,14 +81,11 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_num
                                 min_num_params: int = int(1e8), force_leaf_modules: set[type[nn.Module]] | None = None,
                                 exclude_wrap_modules: set[type[nn.Module]] | None = None) -> bool:
     """Wrap a module once its not-yet-wrapped parameters reach ``min_num_params`` elements."""
-    if force_leaf_modules is None:
-        force_leaf_modules = size_based_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
-    if exclude_wrap_modules is None:
-        exclude_wrap_modules = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
-    is_large = nonwrapped_numel >= min_num_params
-    if recurse:
-        return is_large and not isinstance(module, tuple(force_leaf_modules))
-    return is_large and not isinstance(module, tuple(exclude_wrap_modules))
+    # Recursing, the force-leaf classes are not entered; deciding, the excluded classes are not wrapped.
+    excluded = force_leaf_modules if recurse else exclude_wrap_modules
+    if excluded is None:
+        excluded = getattr(size_based_auto_wrap_policy, "FORCE_LEAF_MODULES" if recurse else "EXCLUDE_WRAP_MODULES")
+    return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(excluded))
 
 
 size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
@@ -155,8 +138,17 @@ def plan_wrapping(root_module: nn.Module, policy: Any, ignored_modules: set[nn.M
     ``individually_wrapped_classes`` instance with ``mixed_precision=None`` (FSDP1's handling of
     mixed precision's ``_module_classes_to_ignore``)."""
     policy = translate_policy(policy)
+    targets: dict[nn.Module, dict[str, Any]] = {}
     if isinstance(policy, _Policy):
-        targets = policy._run_policy(root_module, ignored_modules, root_kwargs)
+        for module in root_module.modules():
+            if module in ignored_modules:
+                continue
+            decision = policy._lambda_fn(module)
+            if not isinstance(decision, (dict, bool)):
+                raise ValueError("The lambda_fn passed to CustomPolicy should return False/True or a kwarg "
+                                 f"dict, but it returned {decision}")
+            if decision:
+                targets[module] = {**root_kwargs, **(decision if isinstance(decision, dict) else {})}
     else:
         if individually_wrapped_classes:
             # As FSDP1: OR the policy with one that wraps those classes, so that the traversal
@@ -165,7 +157,7 @@ def plan_wrapping(root_module: nn.Module, policy: Any, ignored_modules: set[nn.M
                 _wrap_module_cls_individually, module_classes=individually_wrapped_classes)])
         chosen: list[nn.Module] = []
         _plan_recursive(root_module, policy, ignored_modules, ignored_params, chosen, is_root=True)
-        targets = {module: dict(root_kwargs) for module in chosen}
+        targets.update((module, dict(root_kwargs)) for module in chosen)
     for module in root_module.modules():
         if isinstance(module, individually_wrapped_classes) and module not in ignored_modules:
             targets.setdefault(module, dict(root_kwargs))["mixed_precision"] = None
