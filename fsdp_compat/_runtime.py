@@ -190,9 +190,12 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
     """Gather the unit's parameters (every rank takes part) in their own precision, as FSDP1 shows
     them (the engine's unshard gathers in ``param_dtype``, into its own buffers), and register the full
     ones; each is in ``summoned`` before it is replaced, so that a failure midway still restores it."""
-    # The registered DTensor is normally the engine's; it wins if the user swapped in a new one.
-    items = [_SummonedParam(registered if isinstance(registered, DTensor) else sharded, slots, registered)
-             for sharded, slots in _engine.unit_param_slots(unit.module) for registered in [getattr(*slots[0])]]
+    items = []
+    for engine_sharded, slots in _engine.unit_param_slots(unit.module):
+        registered = getattr(*slots[0])
+        # Normally the same object; the registered one wins if the user swapped in a new DTensor.
+        items.append(_SummonedParam(registered if isinstance(registered, DTensor) else engine_sharded,
+                                    slots, registered))
     summoned.extend(items)
     # One all-gather for the whole unit (per dtype), not one per parameter.
     values = gather_full_tensors([item.sharded for item in items], unit.compute_device)
