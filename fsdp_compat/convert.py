@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import pkgutil
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -134,8 +135,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  ignored_modules=args.ignored_modules)
         if dist.get_rank() == 0:
             print(f"wrote {args.output} ({args.format})")
-        if started:  # no rank tears its connections down while another still uses them (gloo aborts)
-            dist.barrier()
     finally:
         if started:
             dist.destroy_process_group()
@@ -143,3 +142,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave without finalizing the interpreter once the work is done and written: torch keeps the
+    # gloo process group (and its worker threads) alive past destroy_process_group(), and a worker
+    # thread that releases a finished collective's tensors during finalization cannot take the GIL
+    # and aborts the process ("terminate called without an active exception"), as the demo does.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
