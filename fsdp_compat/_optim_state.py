@@ -80,20 +80,8 @@ class _ParamIndex:
     flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
 
     def in_flat_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-        """Grouped by flat parameter, as FSDP1 ``use_orig_params=False`` lists them (stable: with
-        ``True`` there are no positions, and the order is kept)."""
+        """Grouped by flat parameter as FSDP1 ``use_orig_params=False`` lists them; else as given (stable)."""
         return sorted(params, key=lambda param: self.flat_position.get(param, -1))
-
-
-def _input_groups(model: nn.Module, optim: Any, optim_input: OptimInput) -> list[list[nn.Parameter]]:
-    """Parameter groups in id order: ``optim_input`` (FSDP1's deprecated path), else the optimizer's,
-    else ``model.parameters()`` (FSDP1's default)."""
-    if optim_input is None:
-        optim_input = optim.param_groups if optim is not None else model.parameters()
-    given: list[Any] = list(optim_input)
-    if given and isinstance(given[0], dict):
-        return [list(group["params"]) for group in given]
-    return [given]
 
 
 def _flat_positions(model: nn.Module, wrappers: list[nn.Module],
@@ -117,13 +105,18 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
         _orig_params.rebind_optimizer(optim)  # built before wrapping: now on the model's parameters
     raw_name_of = {param: name for name, param in model.named_parameters()}  # tied: first name only
     fqn_of = {param: clean_name(name) for param, name in raw_name_of.items()}
-    groups = _input_groups(model, optim, optim_input)
-    strangers = [tuple(param.shape) for group in groups for param in group if param not in fqn_of]
+    # Groups in id order: ``optim_input`` (FSDP1's deprecated path), else the optimizer's, else
+    # ``model.parameters()`` (FSDP1's default).
+    if optim_input is None:
+        optim_input = optim.param_groups if optim is not None else model.parameters()
+    given: list[Any] = list(optim_input)
+    groups = [list(group["params"]) for group in given] if given and isinstance(given[0], dict) else [given]
+    ordered = [param for group in groups for param in group]
+    strangers = [tuple(param.shape) for param in ordered if param not in fqn_of]
     if strangers:
         raise KeyError(f"The optimizer holds {len(strangers)} parameter(s) (shapes {strangers[:5]}) "
                        "that are not parameters of the model passed in; pass the model whose "
                        "parameters the optimizer was built on")
-    ordered = [param for group in groups for param in group]
     key_of = {param: (raw_name_of[param] if named_keys else position)
               for position, param in enumerate(ordered)}
     wrappers = wrappers_in(model)
@@ -132,17 +125,11 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
     flat_order = bool(wrappers) and not wrappers[0]._use_orig_params
     unit_of = {cast(nn.Parameter, param): unit for unit, wrapper in enumerate(wrappers)
                for param in _engine.sharded_params(wrapper.module)}
-    return _ParamIndex(
-        groups=groups,
-        key_of=key_of,
-        param_of_key={key: param for param, key in key_of.items()},
-        fqn_of=fqn_of,
-        param_of_fqn={fqn: param for param, fqn in fqn_of.items()},
-        flat_order=flat_order,
-        unit_of=unit_of,
-        # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
-        flat_position=_flat_positions(model, wrappers, unit_of) if flat_order else {},
-    )
+    return _ParamIndex(groups=groups, key_of=key_of, param_of_key={key: param for param, key in key_of.items()},
+                       fqn_of=fqn_of, param_of_fqn={fqn: param for param, fqn in fqn_of.items()},
+                       flat_order=flat_order, unit_of=unit_of,
+                       # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
+                       flat_position=_flat_positions(model, wrappers, unit_of) if flat_order else {})
 
 
 def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -172,8 +159,7 @@ def _state_name_order(index: _ParamIndex, param: nn.Parameter, state: Mapping[st
 
 
 def _replicated(param: nn.Parameter) -> bool:
-    """Whether FSDP1 would not gather this parameter's state: it is not split over two or more
-    ranks (``NO_SHARD``, or a shard group of one rank)."""
+    """Not split over 2+ ranks (``NO_SHARD``, or a shard group of one rank): FSDP1 would not gather its state."""
     if not isinstance(param, DTensor):
         return True
     return math.prod(param.device_mesh.size(dim) for dim, placement in enumerate(param.placements)
@@ -333,12 +319,10 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
                                  "not belong to this model")
         if optim is None:  # optim_input given instead: the class is unknown
             continue
-        local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
-        key = (group_of[param], local.dim(), local.dtype, local.device)
+        key = (group_of[param], param.dim(), param.dtype, param.device)  # a DTensor's device is its shard's
         if key not in learned:
-            learned[key] = learn_state_kinds(optim, saved_groups[group_of[param]], local)
-        expected = learned[key]
-        if expected is not None:
+            learned[key] = learn_state_kinds(optim, saved_groups[group_of[param]], param)
+        if (expected := learned[key]) is not None:
             check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 

@@ -33,21 +33,18 @@ _LEARNED_MAX = 256
 
 def learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> StateKinds | None:
     """What ``type(optim)`` with ``hyper_parameters`` keeps for a parameter like ``like`` (its
-    dimensionality, dtype and device), or ``None`` where a throw-away instance cannot be built
-    or stepped this way (a custom constructor, a closure or sparse gradients needed).
-
-    Remembered per class and plain hyper-parameter values: a resumed run loads the same optimizer
-    again and again, and stepping the throw-away costs more than converting a small model's state.
-    """
+    dimensionality, dtype and device), or ``None`` where a throw-away instance cannot be built or
+    stepped this way (a custom constructor, a closure or sparse gradients needed). Remembered per
+    class and plain hyper-parameter values: a resumed run loads the same optimizer again and again,
+    and stepping the throw-away costs more than converting a small model's state."""
     key = _memo_key(optim, hyper_parameters, like)
     if key in _learned:  # ``None`` (nothing to remember) is never a key
         return _learned[key]
     tiny = torch.zeros(_TINY_SIZES[:like.dim()], dtype=like.dtype, device=like.device, requires_grad=True)
-    group = {name: value for name, value in hyper_parameters.items() if name != "params"}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            throwaway = type(optim)([{**group, "params": [tiny]}])
+            throwaway = type(optim)([{**hyper_parameters, "params": [tiny]}])
             tiny.grad = torch.zeros_like(tiny)
             throwaway.step()
         kinds: StateKinds | None = {name: _kind(value, tuple(tiny.shape))
@@ -62,10 +59,9 @@ def learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: tor
 
 
 def _memo_key(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> tuple[Any, ...] | None:
-    """``None`` when a hyper-parameter is not a plain value (a tensor learning rate, a callable):
-    then nothing is remembered."""
+    """``None`` when a hyper-parameter is not a plain value (a tensor learning rate, a callable)."""
     items = []
-    for name, value in sorted(hyper_parameters.items(), key=lambda item: item[0]):
+    for name, value in sorted(hyper_parameters.items()):  # names are unique: values never compared
         if name == "params":
             continue
         if isinstance(value, (tuple, list)) and all(isinstance(part, _PLAIN) for part in value):
@@ -78,8 +74,7 @@ def _memo_key(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tenso
 
 def check_state_kinds(fqn: str, param_state: Mapping[str, Any], shape: tuple[int, ...],
                       expected: StateKinds, optim_name: str) -> None:
-    """``KeyError`` for a missing state, ``ValueError`` for an unknown one or a value of the wrong
-    kind, each naming the parameter and the state."""
+    """``KeyError`` for a missing state, ``ValueError`` for an unknown one or a value of the wrong kind."""
     missing = [name for name in expected if name not in param_state]
     if missing:
         raise KeyError(f"The state of {fqn!r} has no {missing[0]!r}, which {optim_name} keeps for every "
