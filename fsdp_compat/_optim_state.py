@@ -220,8 +220,8 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
             for param, state in states.items()}
 
 
-def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool,
-            rank0_only: bool, offload: bool, group: Any, optim_input: OptimInput = None) -> dict[str, Any]:
+def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool, rank0_only: bool = False,
+            offload: bool = True, group: Any = None, optim_input: OptimInput = None) -> dict[str, Any]:
     """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED. Every rank
     must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
     _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
@@ -246,10 +246,9 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, s
         return {}
     for key in state_in:
         if key not in index.param_of_key:  # FSDP1 copies such entries through, with this warning
-            warnings.warn(
-                f"Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy "
-                "everything to the returned state_dict. In most cases, this is a user-defined "
-                "state that is not associated with any particular parameter.", stacklevel=3)
+            warnings.warn(f"Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy "
+                          "everything to the returned state_dict. In most cases, this is a user-defined "
+                          "state that is not associated with any particular parameter.", stacklevel=3)
             state_out[key] = _export_value(state_in[key], sharded=sharded, offload=offload)
     result: dict[str, Any] = {"state": state_out}
     if "param_groups" in source:
@@ -421,16 +420,13 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_
     in favour of :func:`optim_state_dict`). With ``rank0_only`` other ranks get ``{}``."""
     _warn_legacy("full_optim_state_dict", "optim_state_dict")
     _warn_optim_input(optim_input)
-    return _export(model, optim, None, sharded=False, rank0_only=rank0_only,
-                   offload=True, group=group, optim_input=optim_input)
+    return _export(model, optim, None, sharded=False, rank0_only=rank0_only, group=group, optim_input=optim_input)
 
 
-def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                             group: Any = None) -> dict[str, Any]:
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict[str, Any]:
     """This rank's shards of the optimizer state (DTensors on CPU) keyed by parameter names."""
     _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
-    return _export(model, optim, None, sharded=True, rank0_only=False,
-                   offload=True, group=group)
+    return _export(model, optim, None, sharded=True, group=group)
 
 
 def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
@@ -452,15 +448,13 @@ def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], m
 
 
 def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
-                                  optim_input: OptimInput = None,
-                                  optim: torch.optim.Optimizer | None = None,
+                                  optim_input: OptimInput = None, optim: torch.optim.Optimizer | None = None,
                                   group: Any = None) -> dict[str, Any]:
     """Like :func:`shard_full_optim_state_dict`, with the full dict on rank 0 only (ignored
     elsewhere): rank 0 validates it and sends each rank what it needs."""
     _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
     _warn_optim_input(optim_input)
-    return _import(model, optim, full_optim_state_dict, optim_input=optim_input, rank0_only=True,
-                   group=group)
+    return _import(model, optim, full_optim_state_dict, optim_input=optim_input, rank0_only=True, group=group)
 
 
 def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
@@ -499,8 +493,7 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
             "param_groups": param_groups}
 
 
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                     optim_state_dict: dict[str, Any] | None = None,
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any] | None = None,
                      group: Any = None) -> dict[str, Any]:
     """The optimizer state in the model's current state-dict type, keyed by parameter names.
 
