@@ -27,7 +27,6 @@ from . import _engine, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._mesh import flatten_to_1d
-from ._optim_state_kinds import StateKinds, check_state_kinds, is_tensor_like, learn_state_kinds
 from ._tensor_layout import (
     GatherBuffer,
     TensorSpec,
@@ -305,14 +304,14 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
     """Each parameter's state must fit its shape and be what ``optim``'s class keeps with the
     saved hyper-parameters (which the load installs), so the result can be stepped."""
     group_of = {param: number for number, group in enumerate(index.groups) for param in group}
-    learned: dict[tuple[Any, ...], StateKinds | None] = {}  # per group and dimensionality
+    learned: dict[tuple[Any, ...], _StateKinds | None] = {}  # per group and dimensionality
     for name, param_state in state.items():
         param = index.param_of_fqn[name]
         if not isinstance(param_state, Mapping):
             raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
                              f"not {type(param_state).__name__}")
         for state_name, value in param_state.items():
-            if is_tensor_like(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
+            if _is_tensor_like(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
                                  f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
                                  "not belong to this model")
@@ -320,14 +319,14 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
             continue
         key = (group_of[param], param.dim(), param.dtype, param.device)  # a DTensor's device is its shard's
         if key not in learned:
-            learned[key] = learn_state_kinds(optim, saved_groups[group_of[param]], param)
+            learned[key] = _learn_state_kinds(optim, saved_groups[group_of[param]], param)
         if (expected := learned[key]) is not None:
-            check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
+            _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 
 def _import_value(value: Any, param: nn.Parameter) -> Any:
     """One saved state value in the layout of ``param``'s state, as new memory."""
-    if not is_tensor_like(value):
+    if not _is_tensor_like(value):
         return copy.deepcopy(value)
     if len(value.shape) == 0:  # scalar state (``step``): the optimizer places it itself
         return copy_to(value.to_local() if isinstance(value, DTensor) else value)
@@ -402,6 +401,106 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
     param_groups = [{**_hyper_parameters(saved), "params": sorted(index.key_of[param] for param in current)}
                     for saved, current in zip(osd["param_groups"], index.groups)]  # FSDP1 sorts ``params``
     return {"state": state, "param_groups": param_groups}
+
+
+# State kinds: what an optimizer keeps per parameter, so that a loaded state can always be stepped.
+# ``optim.load_state_dict`` takes any per-parameter dict and fails only later (``Adam.__setstate__``
+# raises ``KeyError: 'step'`` after the state was replaced; a ``None`` or 0-d ``exp_avg`` fails at the
+# next step). What is kept depends on the class and hyper-parameters (``amsgrad`` adds
+# ``max_exp_avg_sq``; ``momentum=0`` keeps nothing), so it is learned by stepping a throw-away instance
+# with the saved ``param_groups`` (which the load installs) on a tiny zero-gradient tensor of each
+# dimensionality (0.3-0.7 ms each for SGD / AdamW on CPU): the optimizer's own state may come from
+# other hyper-parameters, or not exist yet (a fresh optimizer before resuming).
+
+# name -> "param" (tensor of the parameter's shape), "scalar" (0-d tensor), "tensor" (another
+# shape) or "value" (not a tensor)
+_StateKinds = dict[str, str]
+
+_TINY_SIZES = (2, 3, 4, 5, 6, 7, 8, 9)  # distinct sizes: a parameter-shaped state is recognisable
+_DESCRIPTIONS = {"param": "a tensor of the parameter's shape {shape}", "scalar": "a 0-d tensor",
+                 "tensor": "a tensor", "value": "a plain (non-tensor) value"}
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+_learned: dict[tuple[Any, ...], _StateKinds | None] = {}  # see _learn_state_kinds
+_LEARNED_MAX = 256
+
+
+def _learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> _StateKinds | None:
+    """What ``type(optim)`` with ``hyper_parameters`` keeps for a parameter like ``like`` (its
+    dimensionality, dtype and device), or ``None`` where a throw-away instance cannot be built or
+    stepped this way (a custom constructor, a closure or sparse gradients needed). Remembered per
+    class and plain hyper-parameter values: a resumed run loads the same optimizer again and again,
+    and stepping the throw-away costs more than converting a small model's state."""
+    key = _memo_key(optim, hyper_parameters, like)
+    if key in _learned:  # ``None`` (nothing to remember) is never a key
+        return _learned[key]
+    tiny = torch.zeros(_TINY_SIZES[:like.dim()], dtype=like.dtype, device=like.device, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            throwaway = type(optim)([{**hyper_parameters, "params": [tiny]}])
+            tiny.grad = torch.zeros_like(tiny)
+            throwaway.step()
+        kinds: _StateKinds | None = {name: _kind(value, tuple(tiny.shape))
+                                     for name, value in throwaway.state.get(tiny, {}).items()}
+    except Exception:  # noqa: BLE001 - nothing learned; the structural checks still apply
+        kinds = None
+    if key is not None:
+        if len(_learned) >= _LEARNED_MAX:
+            _learned.clear()
+        _learned[key] = kinds
+    return kinds
+
+
+def _memo_key(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> tuple[Any, ...] | None:
+    """``None`` when a hyper-parameter is not a plain value (a tensor learning rate, a callable)."""
+    items = []
+    for name, value in sorted(hyper_parameters.items()):  # names are unique: values never compared
+        if name == "params":
+            continue
+        if isinstance(value, (tuple, list)) and all(isinstance(part, _PLAIN) for part in value):
+            value = (type(value), *value)
+        elif not isinstance(value, _PLAIN):
+            return None
+        items.append((name, value))
+    return (type(optim), like.dim(), like.dtype, like.device, *items)
+
+
+def _check_state_kinds(fqn: str, param_state: Mapping[str, Any], shape: tuple[int, ...],
+                       expected: _StateKinds, optim_name: str) -> None:
+    """``KeyError`` for a missing state, ``ValueError`` for an unknown one or a value of the wrong kind."""
+    missing = [name for name in expected if name not in param_state]
+    if missing:
+        raise KeyError(f"The state of {fqn!r} has no {missing[0]!r}, which {optim_name} keeps for every "
+                       f"parameter it stepped (it has {sorted(param_state)}; {optim_name} keeps "
+                       f"{sorted(expected)}). Was the checkpoint saved from another optimizer class or "
+                       "other hyper-parameters? Load it into the optimizer it was saved from.")
+    unknown = [name for name in param_state if name not in expected]
+    if unknown:
+        raise ValueError(f"The state of {fqn!r} holds {unknown[0]!r}, which {optim_name} with these "
+                         f"param_groups does not keep (it keeps {sorted(expected)}): the checkpoint was "
+                         "saved from another optimizer class or other hyper-parameters. Load it into the "
+                         "optimizer it was saved from, or remove that state from the dict.")
+    for name, kind in expected.items():
+        value = param_state[name]
+        found = _kind(value, shape)
+        if found != kind and not (kind == "tensor" and found == "param"):
+            described = (f"{value!r} ({type(value).__name__})" if found == "value"
+                         else f"a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"State {name!r} of {fqn!r} is {described}, but {optim_name} keeps "
+                             f"{_DESCRIPTIONS[kind].format(shape=shape)} there: it could not be stepped. "
+                             "Pass the state dict the optimizer saved, unchanged.")
+
+
+def _kind(value: Any, shape: tuple[int, ...]) -> str:
+    if not _is_tensor_like(value):
+        return "value"
+    if len(value.shape) == 0:
+        return "scalar"
+    return "param" if tuple(value.shape) == shape else "tensor"
+
+
+def _is_tensor_like(value: Any) -> bool:
+    return torch.is_tensor(value) or is_sharded_tensor(value)
 
 
 # Public API (bound as static methods of FullyShardedDataParallel).
