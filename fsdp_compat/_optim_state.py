@@ -27,19 +27,8 @@ from . import _engine, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._mesh import flatten_to_1d
-from ._tensor_layout import (
-    GatherBuffer,
-    TensorSpec,
-    broadcast_tensor,
-    copy_to,
-    full_tensors,
-    is_replicated_only,
-    is_sharded_tensor,
-    local_copy,
-    scatter_like,
-    scatterable,
-    to_layout_of,
-)
+from ._tensor_layout import (GatherBuffer, TensorSpec, broadcast_tensor, copy_to, full_tensors, is_replicated_only,
+                             is_sharded_tensor, local_copy, scatter_like, scatterable, to_layout_of)
 from ._unit_state import state_of, units_in, wrappers_in
 from .api import OptimStateKeyType, StateDictType
 
@@ -104,8 +93,7 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
         _orig_params.rebind_optimizer(optim)  # built before wrapping: now on the model's parameters
     raw_name_of = {param: name for name, param in model.named_parameters()}  # tied: first name only
     fqn_of = {param: clean_name(name) for param, name in raw_name_of.items()}
-    # Groups in id order: ``optim_input`` (FSDP1's deprecated path), else the optimizer's, else
-    # ``model.parameters()`` (FSDP1's default).
+    # Groups in id order: ``optim_input``'s (deprecated), else the optimizer's, else ``model.parameters()``.
     if optim_input is None:
         optim_input = optim.param_groups if optim is not None else model.parameters()
     given: list[Any] = list(optim_input)
@@ -275,10 +263,9 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
                        "FSDP.optim_state_dict (or full_optim_state_dict) returned")
     state, saved_groups = osd["state"], osd["param_groups"]
     if state and all(isinstance(key, int) for key in state):
-        raise ValueError(
-            "This optimizer state dict is keyed by parameter ids (an optimizer's own state_dict()), "
-            "but FSDP's loaders take parameter names; convert it first with "
-            "FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim=optim)")
+        raise ValueError("This optimizer state dict is keyed by parameter ids (an optimizer's own state_dict()), "
+                         "but FSDP's loaders take parameter names; convert it first with "
+                         "FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim=optim)")
     if not all(isinstance(key, str) for key in state):
         raise ValueError(f"Invalid parameter keys: {list(state)}; the state must be keyed by parameter names only")
     known = {index.fqn_of[param] for param in index.key_of}
