@@ -399,10 +399,7 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
 # dimensionality (0.3-0.7 ms each for SGD / AdamW on CPU): the optimizer's own state may come from
 # other hyper-parameters, or not exist yet (a fresh optimizer before resuming).
 
-# name -> "param" (tensor of the parameter's shape), "scalar" (0-d tensor), "tensor" (another
-# shape) or "value" (not a tensor)
-_StateKinds = dict[str, str]
-
+_StateKinds = dict[str, str]  # state name -> its kind (see _kind), described in _DESCRIPTIONS
 _TINY_SIZES = (2, 3, 4, 5, 6, 7, 8, 9)  # distinct sizes: a parameter-shaped state is recognisable
 _DESCRIPTIONS = {"param": "a tensor of the parameter's shape {shape}", "scalar": "a 0-d tensor",
                  "tensor": "a tensor", "value": "a plain (non-tensor) value"}
