@@ -304,9 +304,10 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
                                  "not belong to this model")
         if optim is None:  # optim_input given instead: the class is unknown
             continue
-        key = (group_of[param], param.dim(), param.dtype, param.device)  # a DTensor's device is its shard's
+        local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
+        key = (group_of[param], local.dim(), local.dtype, local.device)
         if key not in learned:
-            learned[key] = _learn_state_kinds(optim, saved_groups[group_of[param]], param)
+            learned[key] = _learn_state_kinds(optim, saved_groups[group_of[param]], local)
         if (expected := learned[key]) is not None:
             _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
