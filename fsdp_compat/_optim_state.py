@@ -334,10 +334,9 @@ def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, Any], dict[tuple[str, str], Any]]:
-    """Rank 0's (validated) ``osd`` on every rank (elsewhere its skeleton), and each of its
-    non-scalar tensors in this rank's layout, keyed ``(name, state name)``. A sharded parameter's
-    state comes in one scatter per unit, state name and dtype (each rank receives its rows alone,
-    as FSDP1 batches per flat parameter); any other is broadcast and converted as it arrives."""
+    """Rank 0's (validated) ``osd`` on every rank (elsewhere its skeleton), and its non-scalar tensors in this
+    rank's layout, keyed ``(name, state name)``: a sharded parameter's in one scatter per unit, state name and dtype
+    (each rank gets its rows alone, as FSDP1 batches per flat parameter), others broadcast, each cut as it arrives."""
     is_rank0 = dist.get_rank(group) == 0
     skeleton = broadcast_object(_skeleton(osd) if is_rank0 else None, group)
     batches: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
