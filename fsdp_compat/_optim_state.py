@@ -27,20 +27,8 @@ from . import _engine, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._mesh import flatten_to_1d
-from ._optim_state_kinds import StateKinds, check_state_kinds, is_tensor_like, learn_state_kinds
-from ._tensor_layout import (
-    GatherBuffer,
-    TensorSpec,
-    broadcast_tensor,
-    copy_to,
-    full_tensors,
-    is_replicated_only,
-    is_sharded_tensor,
-    local_copy,
-    scatter_like,
-    scatterable,
-    to_layout_of,
-)
+from ._tensor_layout import (GatherBuffer, TensorSpec, broadcast_tensor, copy_to, full_tensors, is_replicated_only,
+                             is_sharded_tensor, local_copy, scatter_like, scatterable, to_layout_of)
 from ._unit_state import state_of, units_in, wrappers_in
 from .api import OptimStateKeyType, StateDictType
 
@@ -80,20 +68,8 @@ class _ParamIndex:
     flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
 
     def in_flat_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-        """Grouped by flat parameter, as FSDP1 ``use_orig_params=False`` lists them (stable: with
-        ``True`` there are no positions, and the order is kept)."""
+        """Grouped by flat parameter as FSDP1 ``use_orig_params=False`` lists them; else as given (stable)."""
         return sorted(params, key=lambda param: self.flat_position.get(param, -1))
-
-
-def _input_groups(model: nn.Module, optim: Any, optim_input: OptimInput) -> list[list[nn.Parameter]]:
-    """Parameter groups in id order: ``optim_input`` (FSDP1's deprecated path), else the optimizer's,
-    else ``model.parameters()`` (FSDP1's default)."""
-    if optim_input is None:
-        optim_input = optim.param_groups if optim is not None else model.parameters()
-    given: list[Any] = list(optim_input)
-    if given and isinstance(given[0], dict):
-        return [list(group["params"]) for group in given]
-    return [given]
 
 
 def _flat_positions(model: nn.Module, wrappers: list[nn.Module],
@@ -117,13 +93,17 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
         _orig_params.rebind_optimizer(optim)  # built before wrapping: now on the model's parameters
     raw_name_of = {param: name for name, param in model.named_parameters()}  # tied: first name only
     fqn_of = {param: clean_name(name) for param, name in raw_name_of.items()}
-    groups = _input_groups(model, optim, optim_input)
-    strangers = [tuple(param.shape) for group in groups for param in group if param not in fqn_of]
+    # Groups in id order: ``optim_input``'s (deprecated), else the optimizer's, else ``model.parameters()``.
+    if optim_input is None:
+        optim_input = optim.param_groups if optim is not None else model.parameters()
+    given: list[Any] = list(optim_input)
+    groups = [list(group["params"]) for group in given] if given and isinstance(given[0], dict) else [given]
+    ordered = [param for group in groups for param in group]
+    strangers = [tuple(param.shape) for param in ordered if param not in fqn_of]
     if strangers:
         raise KeyError(f"The optimizer holds {len(strangers)} parameter(s) (shapes {strangers[:5]}) "
                        "that are not parameters of the model passed in; pass the model whose "
                        "parameters the optimizer was built on")
-    ordered = [param for group in groups for param in group]
     key_of = {param: (raw_name_of[param] if named_keys else position)
               for position, param in enumerate(ordered)}
     wrappers = wrappers_in(model)
@@ -132,17 +112,11 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
     flat_order = bool(wrappers) and not wrappers[0]._use_orig_params
     unit_of = {cast(nn.Parameter, param): unit for unit, wrapper in enumerate(wrappers)
                for param in _engine.sharded_params(wrapper.module)}
-    return _ParamIndex(
-        groups=groups,
-        key_of=key_of,
-        param_of_key={key: param for param, key in key_of.items()},
-        fqn_of=fqn_of,
-        param_of_fqn={fqn: param for param, fqn in fqn_of.items()},
-        flat_order=flat_order,
-        unit_of=unit_of,
-        # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
-        flat_position=_flat_positions(model, wrappers, unit_of) if flat_order else {},
-    )
+    return _ParamIndex(groups=groups, key_of=key_of, param_of_key={key: param for param, key in key_of.items()},
+                       fqn_of=fqn_of, param_of_fqn={fqn: param for param, fqn in fqn_of.items()},
+                       flat_order=flat_order, unit_of=unit_of,
+                       # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
+                       flat_position=_flat_positions(model, wrappers, unit_of) if flat_order else {})
 
 
 def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -172,8 +146,7 @@ def _state_name_order(index: _ParamIndex, param: nn.Parameter, state: Mapping[st
 
 
 def _replicated(param: nn.Parameter) -> bool:
-    """Whether FSDP1 would not gather this parameter's state: it is not split over two or more
-    ranks (``NO_SHARD``, or a shard group of one rank)."""
+    """Not split over 2+ ranks (``NO_SHARD``, or a shard group of one rank): FSDP1 would not gather its state."""
     if not isinstance(param, DTensor):
         return True
     return math.prod(param.device_mesh.size(dim) for dim, placement in enumerate(param.placements)
@@ -234,8 +207,8 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
             for param, state in states.items()}
 
 
-def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool,
-            rank0_only: bool, offload: bool, group: Any, optim_input: OptimInput = None) -> dict[str, Any]:
+def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool, rank0_only: bool = False,
+            offload: bool = True, group: Any = None, optim_input: OptimInput = None) -> dict[str, Any]:
     """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED. Every rank
     must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
     _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
@@ -260,10 +233,9 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, s
         return {}
     for key in state_in:
         if key not in index.param_of_key:  # FSDP1 copies such entries through, with this warning
-            warnings.warn(
-                f"Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy "
-                "everything to the returned state_dict. In most cases, this is a user-defined "
-                "state that is not associated with any particular parameter.", stacklevel=3)
+            warnings.warn(f"Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy "
+                          "everything to the returned state_dict. In most cases, this is a user-defined "
+                          "state that is not associated with any particular parameter.", stacklevel=3)
             state_out[key] = _export_value(state_in[key], sharded=sharded, offload=offload)
     result: dict[str, Any] = {"state": state_out}
     if "param_groups" in source:
@@ -291,10 +263,9 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
                        "FSDP.optim_state_dict (or full_optim_state_dict) returned")
     state, saved_groups = osd["state"], osd["param_groups"]
     if state and all(isinstance(key, int) for key in state):
-        raise ValueError(
-            "This optimizer state dict is keyed by parameter ids (an optimizer's own state_dict()), "
-            "but FSDP's loaders take parameter names; convert it first with "
-            "FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim=optim)")
+        raise ValueError("This optimizer state dict is keyed by parameter ids (an optimizer's own state_dict()), "
+                         "but FSDP's loaders take parameter names; convert it first with "
+                         "FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim=optim)")
     if not all(isinstance(key, str) for key in state):
         raise ValueError(f"Invalid parameter keys: {list(state)}; the state must be keyed by parameter names only")
     known = {index.fqn_of[param] for param in index.key_of}
@@ -320,14 +291,14 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
     """Each parameter's state must fit its shape and be what ``optim``'s class keeps with the
     saved hyper-parameters (which the load installs), so the result can be stepped."""
     group_of = {param: number for number, group in enumerate(index.groups) for param in group}
-    learned: dict[tuple[Any, ...], StateKinds | None] = {}  # per group and dimensionality
+    learned: dict[tuple[Any, ...], _StateKinds | None] = {}  # per group and dimensionality
     for name, param_state in state.items():
         param = index.param_of_fqn[name]
         if not isinstance(param_state, Mapping):
             raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
                              f"not {type(param_state).__name__}")
         for state_name, value in param_state.items():
-            if is_tensor_like(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
+            if _is_tensor_like(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
                                  f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
                                  "not belong to this model")
@@ -336,15 +307,14 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
         local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
         key = (group_of[param], local.dim(), local.dtype, local.device)
         if key not in learned:
-            learned[key] = learn_state_kinds(optim, saved_groups[group_of[param]], local)
-        expected = learned[key]
-        if expected is not None:
-            check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
+            learned[key] = _learn_state_kinds(optim, saved_groups[group_of[param]], local)
+        if (expected := learned[key]) is not None:
+            _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 
 def _import_value(value: Any, param: nn.Parameter) -> Any:
     """One saved state value in the layout of ``param``'s state, as new memory."""
-    if not is_tensor_like(value):
+    if not _is_tensor_like(value):
         return copy.deepcopy(value)
     if len(value.shape) == 0:  # scalar state (``step``): the optimizer places it itself
         return copy_to(value.to_local() if isinstance(value, DTensor) else value)
@@ -364,10 +334,9 @@ def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, Any], dict[tuple[str, str], Any]]:
-    """Rank 0's (validated) ``osd`` on every rank (elsewhere its skeleton), and each of its
-    non-scalar tensors in this rank's layout, keyed ``(name, state name)``. A sharded parameter's
-    state comes in one scatter per unit, state name and dtype (each rank receives its rows alone,
-    as FSDP1 batches per flat parameter); any other is broadcast and converted as it arrives."""
+    """Rank 0's (validated) ``osd`` on every rank (elsewhere its skeleton), and its non-scalar tensors in this
+    rank's layout, keyed ``(name, state name)``: a sharded parameter's in one scatter per unit, state name and dtype
+    (each rank gets its rows alone, as FSDP1 batches per flat parameter), others broadcast, each cut as it arrives."""
     is_rank0 = dist.get_rank(group) == 0
     skeleton = broadcast_object(_skeleton(osd) if is_rank0 else None, group)
     batches: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
@@ -421,6 +390,103 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
     return {"state": state, "param_groups": param_groups}
 
 
+# State kinds: what an optimizer keeps per parameter, so that a loaded state can always be stepped.
+# ``optim.load_state_dict`` takes any per-parameter dict and fails only later (``Adam.__setstate__``
+# raises ``KeyError: 'step'`` after the state was replaced; a ``None`` or 0-d ``exp_avg`` fails at the
+# next step). What is kept depends on the class and hyper-parameters (``amsgrad`` adds
+# ``max_exp_avg_sq``; ``momentum=0`` keeps nothing), so it is learned by stepping a throw-away instance
+# with the saved ``param_groups`` (which the load installs) on a tiny zero-gradient tensor of each
+# dimensionality (0.3-0.7 ms each for SGD / AdamW on CPU): the optimizer's own state may come from
+# other hyper-parameters, or not exist yet (a fresh optimizer before resuming).
+
+_StateKinds = dict[str, str]  # state name -> its kind (see _kind), described in _DESCRIPTIONS
+_TINY_SIZES = (2, 3, 4, 5, 6, 7, 8, 9)  # distinct sizes: a parameter-shaped state is recognisable
+_DESCRIPTIONS = {"param": "a tensor of the parameter's shape {shape}", "scalar": "a 0-d tensor",
+                 "tensor": "a tensor", "value": "a plain (non-tensor) value"}
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+_learned: dict[tuple[Any, ...], _StateKinds | None] = {}  # see _learn_state_kinds
+_LEARNED_MAX = 256
+
+
+def _learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> _StateKinds | None:
+    """What ``type(optim)`` with ``hyper_parameters`` keeps for a parameter like ``like`` (its
+    dimensionality, dtype and device), or ``None`` where a throw-away instance cannot be built or
+    stepped this way (a custom constructor, a closure or sparse gradients needed). Remembered per
+    class and plain hyper-parameter values: a resumed run loads the same optimizer again and again,
+    and stepping the throw-away costs more than converting a small model's state."""
+    key = _memo_key(optim, hyper_parameters, like)
+    if key in _learned:  # ``None`` (nothing to remember) is never a key
+        return _learned[key]
+    tiny = torch.zeros(_TINY_SIZES[:like.dim()], dtype=like.dtype, device=like.device, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            throwaway = type(optim)([{**hyper_parameters, "params": [tiny]}])
+            tiny.grad = torch.zeros_like(tiny)
+            throwaway.step()
+        kinds: _StateKinds | None = {name: _kind(value, tuple(tiny.shape))
+                                     for name, value in throwaway.state.get(tiny, {}).items()}
+    except Exception:  # noqa: BLE001 - nothing learned; the structural checks still apply
+        kinds = None
+    if key is not None:
+        if len(_learned) >= _LEARNED_MAX:
+            _learned.clear()
+        _learned[key] = kinds
+    return kinds
+
+
+def _memo_key(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tensor) -> tuple[Any, ...] | None:
+    """``None`` when a hyper-parameter is not a plain value (a tensor learning rate, a callable)."""
+    items = []
+    for name, value in sorted(hyper_parameters.items()):  # names are unique: values never compared
+        if name == "params":
+            continue
+        if isinstance(value, (tuple, list)) and all(isinstance(part, _PLAIN) for part in value):
+            value = (type(value), *value)
+        elif not isinstance(value, _PLAIN):
+            return None
+        items.append((name, value))
+    return (type(optim), like.dim(), like.dtype, like.device, *items)
+
+
+def _check_state_kinds(fqn: str, param_state: Mapping[str, Any], shape: tuple[int, ...],
+                       expected: _StateKinds, optim_name: str) -> None:
+    """``KeyError`` for a missing state, ``ValueError`` for an unknown one or a value of the wrong kind."""
+    missing = [name for name in expected if name not in param_state]
+    if missing:
+        raise KeyError(f"The state of {fqn!r} has no {missing[0]!r}, which {optim_name} keeps for every "
+                       f"parameter it stepped (it has {sorted(param_state)}; {optim_name} keeps "
+                       f"{sorted(expected)}). Was the checkpoint saved from another optimizer class or "
+                       "other hyper-parameters? Load it into the optimizer it was saved from.")
+    unknown = [name for name in param_state if name not in expected]
+    if unknown:
+        raise ValueError(f"The state of {fqn!r} holds {unknown[0]!r}, which {optim_name} with these "
+                         f"param_groups does not keep (it keeps {sorted(expected)}): the checkpoint was "
+                         "saved from another optimizer class or other hyper-parameters. Load it into the "
+                         "optimizer it was saved from, or remove that state from the dict.")
+    for name, kind in expected.items():
+        value = param_state[name]
+        found = _kind(value, shape)
+        if found != kind and not (kind == "tensor" and found == "param"):
+            described = (f"{value!r} ({type(value).__name__})" if found == "value"
+                         else f"a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"State {name!r} of {fqn!r} is {described}, but {optim_name} keeps "
+                             f"{_DESCRIPTIONS[kind].format(shape=shape)} there: it could not be stepped. "
+                             "Pass the state dict the optimizer saved, unchanged.")
+
+
+def _kind(value: Any, shape: tuple[int, ...]) -> str:
+    if not _is_tensor_like(value):
+        return "value"
+    if len(value.shape) == 0:
+        return "scalar"
+    return "param" if tuple(value.shape) == shape else "tensor"
+
+
+def _is_tensor_like(value: Any) -> bool:
+    return torch.is_tensor(value) or is_sharded_tensor(value)
+
+
 # Public API (bound as static methods of FullyShardedDataParallel).
 
 def _configured(model: nn.Module) -> tuple[bool, bool, bool]:
@@ -437,16 +503,13 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_
     in favour of :func:`optim_state_dict`). With ``rank0_only`` other ranks get ``{}``."""
     _warn_legacy("full_optim_state_dict", "optim_state_dict")
     _warn_optim_input(optim_input)
-    return _export(model, optim, None, sharded=False, rank0_only=rank0_only,
-                   offload=True, group=group, optim_input=optim_input)
+    return _export(model, optim, None, sharded=False, rank0_only=rank0_only, group=group, optim_input=optim_input)
 
 
-def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                             group: Any = None) -> dict[str, Any]:
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict[str, Any]:
     """This rank's shards of the optimizer state (DTensors on CPU) keyed by parameter names."""
     _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
-    return _export(model, optim, None, sharded=True, rank0_only=False,
-                   offload=True, group=group)
+    return _export(model, optim, None, sharded=True, group=group)
 
 
 def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
@@ -468,15 +531,13 @@ def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], m
 
 
 def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
-                                  optim_input: OptimInput = None,
-                                  optim: torch.optim.Optimizer | None = None,
+                                  optim_input: OptimInput = None, optim: torch.optim.Optimizer | None = None,
                                   group: Any = None) -> dict[str, Any]:
     """Like :func:`shard_full_optim_state_dict`, with the full dict on rank 0 only (ignored
     elsewhere): rank 0 validates it and sends each rank what it needs."""
     _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
     _warn_optim_input(optim_input)
-    return _import(model, optim, full_optim_state_dict, optim_input=optim_input, rank0_only=True,
-                   group=group)
+    return _import(model, optim, full_optim_state_dict, optim_input=optim_input, rank0_only=True, group=group)
 
 
 def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
@@ -515,8 +576,7 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
             "param_groups": param_groups}
 
 
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                     optim_state_dict: dict[str, Any] | None = None,
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any] | None = None,
                      group: Any = None) -> dict[str, Any]:
     """The optimizer state in the model's current state-dict type, keyed by parameter names.
 
