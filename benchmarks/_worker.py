@@ -13,8 +13,10 @@ import cProfile
 import ctypes
 import datetime
 import json
+import os
 import pstats
 import statistics
+import sys
 import time
 import traceback
 import warnings
@@ -212,6 +214,12 @@ def run_rank(rank: int, spec: RunSpec) -> None:
         record.write(Path(spec.run_dir) / f"rank{rank}.json")
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    # Leave without finalizing the interpreter (spawned ranks would; forked ones already don't): a
+    # gloo worker thread releasing a finished collective's tensors then aborts the process, as
+    # ``python -m fsdp_compat.convert`` and the demo avoid too.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _measure(rank: int, spec: RunSpec, device: torch.device, record: Record) -> None:
