@@ -13,10 +13,8 @@ import cProfile
 import ctypes
 import datetime
 import json
-import os
 import pstats
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -35,6 +33,7 @@ from _checkpoints import measure_paths, unit_full_mb
 from _comm import CollectiveCounter
 from _engines import (MODELS, QUICK_MODELS, Engine, ModelSpec, RunContext, build_meta_model, make_engine,
                       parameter_count)
+from fsdp_compat._common import exit_without_finalizing
 from fsdp_compat.examples import Block
 from _memory import PeakMemory
 from fsdp_compat.examples import synthetic_batch
@@ -214,12 +213,7 @@ def run_rank(rank: int, spec: RunSpec) -> None:
         record.write(Path(spec.run_dir) / f"rank{rank}.json")
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    # Leave without finalizing the interpreter (spawned ranks would; forked ones already don't): a
-    # gloo worker thread releasing a finished collective's tensors then aborts the process, as
-    # ``python -m fsdp_compat.convert`` and the demo avoid too.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalizing()  # spawned ranks would shut the interpreter down; forked ones already don't
 
 
 def _measure(rank: int, spec: RunSpec, device: torch.device, record: Record) -> None:

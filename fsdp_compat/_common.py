@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
+import os
+import sys
 import warnings
+from typing import NoReturn
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
@@ -42,3 +45,14 @@ def warn_once(key: str, message: str) -> None:
 def forget_warnings() -> None:
     """Let every :func:`warn_once` warning be given again (a new test, as in a new process)."""
     _warned.clear()
+
+
+def exit_without_finalizing(code: int = 0) -> NoReturn:
+    """End this process now, its output flushed, without shutting the interpreter down: for a rank
+    whose work is done and written. torch keeps a gloo process group's worker threads alive past
+    ``destroy_process_group()``, and one that releases a finished collective's tensors while the
+    interpreter shuts down cannot take the GIL and aborts the process ("terminate called without an
+    active exception"), which would turn a good run into a failure."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

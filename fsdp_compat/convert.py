@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import pkgutil
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._collectives import communication_device
+from ._common import exit_without_finalizing
 from ._flat_checkpoint import FLAT_PARAM, flat_unit_paths
 from .api import FullStateDictConfig, StateDictType
 from .fully_sharded_data_parallel import FullyShardedDataParallel
@@ -142,10 +142,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave without finalizing the interpreter once the work is done and written: torch keeps the
-    # gloo process group (and its worker threads) alive past destroy_process_group(), and a worker
-    # thread that releases a finished collective's tensors during finalization cannot take the GIL
-    # and aborts the process ("terminate called without an active exception"), as the demo does.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalizing()

@@ -43,6 +43,7 @@ from . import (
     StateDictType,
 )
 from ._collectives import broadcast_object
+from ._common import exit_without_finalizing
 from .examples import Block, GPTConfig, TinyGPT, synthetic_batch
 from .wrap import ModuleWrapPolicy
 
@@ -117,12 +118,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, options: DemoOptions) -
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     run_rank(rank, world_size, options)
-    # Leave without running C++ static destructors: at interpreter exit a background thread of
-    # torch.distributed sometimes aborts the process ("terminate called without an active
-    # exception") after all the work is done, which would turn a good run into a failure.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalizing()
 
 
 def run_rank(rank: int, world_size: int, options: DemoOptions) -> None:
@@ -368,4 +364,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalizing(main())  # under torchrun this process is a rank
