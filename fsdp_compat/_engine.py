@@ -211,9 +211,10 @@ def unit_param_slots(module: nn.Module) -> list[tuple[DTensor, list[ParamSlot]]]
             for sharded, info in infos]
 
 
-def register_param(module: nn.Module, name: str, param: nn.Parameter | DTensor) -> None:
-    """Register ``param`` as ``module.<name>`` the way the engine swaps sharded/unsharded ones."""
-    unsafe_setattr_param(module, name, cast(nn.Parameter, param))
+def register_param(slots: list[ParamSlot], param: nn.Parameter | DTensor) -> None:
+    """Register ``param`` in every ``(module, name)`` slot the way the engine swaps sharded/unsharded ones."""
+    for module, name in slots:
+        unsafe_setattr_param(module, name, cast(nn.Parameter, param))
 
 
 @contextlib.contextmanager

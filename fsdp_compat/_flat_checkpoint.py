@@ -29,13 +29,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _engine
 from ._collectives import communication_device, mesh_groups, ranks_where
 from ._state_dict_entries import Entry
-from ._tensor_layout import shard_like
+from ._tensor_layout import gather_full_tensors, shard_like
 from ._unit_state import UnitState, units_with_paths
 from .api import ShardingStrategy
 
@@ -50,7 +49,6 @@ class _FlatUnit:
     unit: UnitState
     params: list[DTensor]  # the engine's sharded parameters, in FSDP1's order
     offsets: list[int]  # each one's first element in the flat parameter
-    shard_numel: int  # c: elements per rank, padding included
     value: Any  # the checkpoint's ShardedTensor
 
 
@@ -140,7 +138,7 @@ def _match(unit: UnitState, params: list[DTensor], path: str, key: str, value: A
     if found != expected:
         return (f"{mismatch}; this rank (rank {unit.rank} of the unit's group) holds shards (offset, "
                 f"elements) {found} instead of {expected}")
-    return _FlatUnit(unit, params, offsets, shard_numel, value)
+    return _FlatUnit(unit, params, offsets, value)
 
 
 def _in_fsdp1_order(unit: UnitState, slots: list[tuple[DTensor, list[_engine.ParamSlot]]]) -> list[DTensor]:
@@ -175,19 +173,20 @@ def _layout(sizes: list[int], alignment: int, world_size: int) -> tuple[list[int
 @torch.no_grad()
 def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: list[Entry]) -> dict[str, Any]:
     """``state_dict`` with each flat parameter replaced by its parameters as the engine's DTensors, under every
-    key naming one (tied weights too). One all-gather of the whole flat parameter per unit, over its shard group."""
+    key naming one (tied weights too). One gather of the whole flat parameter per unit, over its shard group:
+    this rank's slice is its ``torch.chunk`` piece (``_match`` checked), the engine's layout."""
     values: dict[int, DTensor] = {}
     for flat_unit in units:
-        group = flat_unit.unit.process_group
-        device = communication_device(group)
-        dtype = flat_unit.value.metadata().tensor_properties.dtype
-        local = torch.zeros(flat_unit.shard_numel, dtype=dtype, device=device)
-        for shard in flat_unit.value.local_shards():
-            local[:shard.tensor.numel()].copy_(shard.tensor.reshape(-1))
-        flat = torch.empty(flat_unit.shard_numel * group.size(), dtype=dtype, device=device)
-        dist.all_gather_single(flat, local, group=group)
+        mesh, metadata = flat_unit.unit.device_mesh, flat_unit.value.metadata()
+        device = communication_device(flat_unit.unit.process_group)
+        pieces = [shard.tensor.reshape(-1) for shard in flat_unit.value.local_shards() if shard.tensor.numel()]
+        local = pieces[0].to(device) if pieces else torch.empty(0, dtype=metadata.tensor_properties.dtype,
+                                                                 device=device)
+        flat = DTensor.from_local(local, mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)], run_check=False,
+                                  shape=torch.Size(metadata.size), stride=(1,))
+        full = gather_full_tensors([flat], device)[0]
         for param, offset in zip(flat_unit.params, flat_unit.offsets):
-            values[id(param)] = shard_like(flat[offset:offset + param.numel()].view(param.shape), param)
+            values[id(param)] = shard_like(full[offset:offset + param.numel()].view(param.shape), param)
     flat_keys = flat_unit_paths(state_dict)  # each matched to a unit, else _plan found an error
     result = {key: value for key, value in state_dict.items() if key not in flat_keys}
     result.update((entry.key, values[id(entry.sharded)]) for entry in entries if id(entry.sharded) in values)

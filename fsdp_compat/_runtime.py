@@ -141,10 +141,6 @@ class _SummonedParam:
     registered: nn.Parameter              # what the slots held before (restored on exit)
     full: nn.Parameter | None = None      # what they hold inside; None where this rank keeps shards
 
-    def register(self, param: nn.Parameter) -> None:
-        for module, name in self.slots:
-            _engine.register_param(module, name, param)
-
     def restore(self, writeback: bool, with_grads: bool) -> None:
         """Write the (possibly edited or replaced) full parameter back, then restore the shards."""
         if writeback and self.full is not None:
@@ -155,7 +151,7 @@ class _SummonedParam:
                 _write_to_shard(current, self.sharded)
                 if with_grads and current.grad is not None and self.sharded.grad is not None:
                     _write_to_shard(current.grad, cast(DTensor, self.sharded.grad))
-        self.register(self.registered)
+        _engine.register_param(self.slots, self.registered)
 
 
 @torch.no_grad()
@@ -206,7 +202,7 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
         value = value.cpu() if offload_to_cpu else value.to(unit.compute_device)
         item.full = nn.Parameter(value, requires_grad=item.sharded.requires_grad)
         item.full.grad = grad_of.get(id(item))
-        item.register(item.full)
+        _engine.register_param(item.slots, item.full)
 
 
 @contextlib.contextmanager

@@ -118,16 +118,14 @@ def _nn_module_loading(units: list[UnitState]) -> Iterator[None]:
                if unit.training_state == TrainingState.SUMMON_FULL_PARAMS
                for sharded, slots in _engine.unit_param_slots(unit.module) if getattr(*slots[0]) is not sharded]
     for slots, sharded, _ in swapped:
-        for module, attr in slots:
-            _engine.register_param(module, attr, sharded)
+        _engine.register_param(slots, sharded)
     token = _loading.set(True)
     try:
         yield
     finally:
         _loading.reset(token)
         for slots, _, shown in swapped:
-            for module, attr in slots:
-                _engine.register_param(module, attr, shown)
+            _engine.register_param(slots, shown)
 
 
 def _as_tensor_if_tensor_like(value: Any) -> Any:
