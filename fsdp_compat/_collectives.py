@@ -44,11 +44,6 @@ _AGREED_TYPES: tuple[type[Exception], ...] = (NotImplementedError, RuntimeError,
 _MESSAGE_BYTES = 2048  # how much of the failing rank's message the other ranks repeat
 
 
-def mesh_groups(mesh: Any) -> list[Any]:
-    """The groups of each dimension of ``mesh``: together they span all its ranks."""
-    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
-
-
 @contextlib.contextmanager
 def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> Iterator[None]:
     """If the enclosed checks raise on any rank of ``groups`` (which together span every rank

@@ -344,8 +344,8 @@ def log_api_usage(event: str) -> None:
 
 
 def flatten_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """A 1-D mesh over all ranks of ``mesh`` (``DeviceMesh`` has no public flatten)."""
-    return mesh._flatten()
+    """A 1-D mesh over all ranks of ``mesh``, itself if 1-D (``DeviceMesh`` has no public flatten; torch caches it)."""
+    return mesh if mesh.ndim == 1 else mesh._flatten()
 
 
 def local_shape_and_offset(like: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _engine
-from ._collectives import communication_device, mesh_groups, ranks_where
+from ._collectives import communication_device, ranks_where
 from ._state_dict_entries import Entry
 from ._tensor_layout import gather_full_tensors, shard_like
 from ._unit_state import UnitState, units_with_paths
@@ -62,7 +62,7 @@ def unflatten_if_flat(root: UnitState, state_dict: Mapping[str, Any], entries: l
     """``state_dict`` with FSDP1's flat parameters, if any rank's has some, replaced by per-parameter
     DTensors laid out as the engine's; if they do not fit this model on some rank, ``ValueError`` on
     all of them, nothing loaded. Collectives over the root's mesh."""
-    groups = mesh_groups(root.device_mesh)
+    groups = root.device_mesh.get_all_groups()
     if not ranks_where(bool(flat_unit_paths(state_dict)), groups):
         return state_dict
     units, errors = _plan(root, state_dict)

@@ -184,8 +184,7 @@ def broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored_modules: s
     if not tensors:
         return
     # Along the replicate dimension first, then within each shard group: all end with (0, 0)'s.
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
+    for group in mesh.get_all_groups():
         source = dist.get_global_rank(group, 0)
         for tensor in tensors:
             dist.broadcast(tensor, src=source, group=group)

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._collectives import communication_device
-from ._engine import flatten_mesh
 from .api import ShardingStrategy
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -60,11 +59,6 @@ def build_mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: Devi
                          f"not {strategy}; pass a single process group")
     group = cast(dist.ProcessGroup, process_group if process_group is not None else dist.group.WORLD)
     return _cached(("1d", group, device.type), lambda: DeviceMesh.from_group(group, device.type))
-
-
-def flatten_to_1d(mesh: DeviceMesh) -> DeviceMesh:
-    """A 1-D mesh over all ranks of ``mesh`` (torch caches it on the mesh)."""
-    return mesh if mesh.ndim == 1 else flatten_mesh(mesh)
 
 
 def _check_given_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:

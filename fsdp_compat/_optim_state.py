@@ -26,10 +26,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from . import _engine, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
-from ._mesh import flatten_to_1d
 from ._tensor_layout import (GatherBuffer, TensorSpec, broadcast_tensor, copy_to, full_tensors, is_replicated_only,
                              is_sharded_tensor, local_copy, scatter_like, scatterable, to_layout_of)
-from ._unit_state import state_of, units_in, wrappers_in
+from ._unit_state import UnitState, state_of, units_in
 from .api import OptimStateKeyType, StateDictType
 
 ParamKey = int | str
@@ -72,13 +71,13 @@ class _ParamIndex:
         return sorted(params, key=lambda param: self.flat_position.get(param, -1))
 
 
-def _flat_positions(model: nn.Module, wrappers: list[nn.Module],
+def _flat_positions(model: nn.Module, units: list[UnitState],
                     unit_of: dict[nn.Parameter, int]) -> dict[nn.Parameter, int]:
     """Positions in ``model.parameters()`` of an FSDP1 ``use_orig_params=False`` model: a unit's
     parameters sit together (its ``FlatParameter``) where its wrapper is; others stay in place."""
     unit_params: dict[int, list[nn.Parameter]] = {}  # by ``id`` of the unit's wrapper
     for param, unit in unit_of.items():
-        unit_params.setdefault(id(wrappers[unit]), []).append(param)
+        unit_params.setdefault(id(units[unit].wrapper), []).append(param)
     position: dict[nn.Parameter, int] = {}
     for module in model.modules():
         for param in [*unit_params.get(id(module), []), *module.parameters(recurse=False)]:
@@ -106,17 +105,17 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
                        "parameters the optimizer was built on")
     key_of = {param: (raw_name_of[param] if named_keys else position)
               for position, param in enumerate(ordered)}
-    wrappers = wrappers_in(model)
-    if len({wrapper._use_orig_params for wrapper in wrappers}) > 1:  # as FSDP1 checks
+    units = units_in(model)
+    if len({unit.use_orig_params for unit in units}) > 1:  # as FSDP1 checks
         raise AssertionError("Not all FSDP modules have the same _use_orig_params value")
-    flat_order = bool(wrappers) and not wrappers[0]._use_orig_params
-    unit_of = {cast(nn.Parameter, param): unit for unit, wrapper in enumerate(wrappers)
-               for param in _engine.sharded_params(wrapper.module)}
+    flat_order = bool(units) and not units[0].use_orig_params
+    unit_of = {cast(nn.Parameter, param): number for number, unit in enumerate(units)
+               for param in _engine.sharded_params(unit.module)}
     return _ParamIndex(groups=groups, key_of=key_of, param_of_key={key: param for param, key in key_of.items()},
                        fqn_of=fqn_of, param_of_fqn={fqn: param for param, fqn in fqn_of.items()},
                        flat_order=flat_order, unit_of=unit_of,
                        # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
-                       flat_position=_flat_positions(model, wrappers, unit_of) if flat_order else {})
+                       flat_position=_flat_positions(model, units, unit_of) if flat_order else {})
 
 
 def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -159,7 +158,7 @@ def _model_group(model: nn.Module, group: Any) -> Any:
         return group
     # The model is usually the root wrapper itself: its mesh, without walking the model.
     root = state_of(model) or next(iter(units_in(model)), None)
-    return dist.group.WORLD if root is None else flatten_to_1d(root.device_mesh).get_group()
+    return dist.group.WORLD if root is None else _engine.flatten_mesh(root.device_mesh).get_group()
 
 
 def _hyper_parameters(saved_group: Mapping[str, Any]) -> dict[str, Any]:  # as new memory

@@ -14,11 +14,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from . import _engine, _mixed_precision
-from ._collectives import all_ranks_agree, mesh_groups
-from ._tensor_layout import gather_full_tensors
+from ._collectives import all_ranks_agree
+from ._tensor_layout import gather_full_tensors, shard_like
 from ._common import TrainingState, warn_once
 from ._mesh import HYBRID_STRATEGIES
 from ._unit_state import UnitState, state_of, units_in
@@ -107,7 +107,7 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
     does not, so bf16 results differ, and refuses DTensor and plain gradients together), and FSDP1's
     return dtype (FP32, with a warning, without gradients)."""
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes.
-    with all_ranks_agree(mesh_groups(unit.device_mesh), "The clip_grad_norm_() arguments",
+    with all_ranks_agree(unit.device_mesh.get_all_groups(), "The clip_grad_norm_() arguments",
                          "no gradient was clipped on any rank"):
         if not unit.is_root:
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
@@ -145,21 +145,16 @@ class _SummonedParam:
         """Write the (possibly edited or replaced) full parameter back, then restore the shards."""
         if writeback and self.full is not None:
             current = getattr(*self.slots[0])  # ``fn`` in ``apply`` may have assigned a new one
-            # Only a plain tensor of the full shape can be written back.
+            # Only a plain tensor of the full shape can be written back. Every rank holds the same
+            # full values and copies its own part into its shard: no communication.
             if (isinstance(current, torch.Tensor) and not isinstance(current, DTensor)
                     and current.shape == self.sharded.shape):
-                _write_to_shard(current, self.sharded)
-                if with_grads and current.grad is not None and self.sharded.grad is not None:
-                    _write_to_shard(current.grad, cast(DTensor, self.sharded.grad))
+                with torch.no_grad():
+                    self.sharded.to_local().copy_(shard_like(current, self.sharded).to_local())
+                    grad = cast(DTensor | None, self.sharded.grad)
+                    if with_grads and current.grad is not None and grad is not None:
+                        grad.to_local().copy_(shard_like(current.grad, grad).to_local())
         _engine.register_param(self.slots, self.registered)
-
-
-@torch.no_grad()
-def _write_to_shard(full: torch.Tensor, sharded: DTensor) -> None:
-    """Copy this rank's chunk of ``full`` into ``sharded``'s local tensor (no communication:
-    every rank holds the same full values and takes its own chunk, as the engine chunked it)."""
-    chunk = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None)
-    sharded.to_local().copy_(chunk.to_local())
 
 
 def _validate_summon_args(units: list[UnitState], writeback: bool, rank0_only: bool,
@@ -217,7 +212,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     own = state_of(module)
     units = units_in(module) if recurse else [own] if own is not None else []
     # Arguments bad on one rank only must not leave the others waiting in the gathers.
-    with all_ranks_agree(mesh_groups(units[0].device_mesh) if units else [],
+    with all_ranks_agree(units[0].device_mesh.get_all_groups() if units else [],
                          "The summon_full_params() arguments", "no parameters were gathered on any rank"):
         _validate_summon_args(units, writeback, rank0_only, offload_to_cpu, with_grads)
         for unit in units:
@@ -255,7 +250,7 @@ def register_comm_hook(root: UnitState, state: object, hook: Callable[..., Any])
     units = units_in(root.wrapper)
     # A hook registered on some ranks only would pair its collectives with the engine's default
     # ones on the others: all ranks check first, with FSDP1's checks, order and types.
-    with all_ranks_agree(mesh_groups(root.device_mesh), "The register_comm_hook() arguments",
+    with all_ranks_agree(root.device_mesh.get_all_groups(), "The register_comm_hook() arguments",
                          "no hook was registered on any rank"):
         if not root.is_root:
             raise AssertionError("register_comm_hook can only be called on a root instance.")

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _mixed_precision
-from ._collectives import all_ranks_agree, mesh_groups
+from ._collectives import all_ranks_agree
 from ._common import clean_module_path
 from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, effective_settings, entries_of,
                                   entry_settings)
@@ -54,7 +54,7 @@ def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_d
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     # Arguments given on one rank only must not let the other ranks go on to a state dict's
     # collectives alone: all ranks raise, and no wrapper changes anywhere.
-    groups = mesh_groups(units[0].device_mesh) if units else []
+    groups = units[0].device_mesh.get_all_groups() if units else []
     with all_ranks_agree(groups, "The set_state_dict_type() arguments", "no settings changed on any rank"):
         state_dict_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
         config_class, optim_config_class = _CONFIG_CLASSES[state_dict_type]

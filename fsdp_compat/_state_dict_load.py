@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine, _flat_checkpoint
-from ._collectives import all_ranks_agree, mesh_groups
+from ._collectives import all_ranks_agree
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
@@ -196,7 +196,7 @@ def _trial_copy(value: torch.Tensor, target: torch.Tensor) -> None:
 
 def _agreement(root: UnitState) -> contextlib.AbstractContextManager[None]:
     """Checks that raise on any rank of the wrapper's mesh raise on all of them."""
-    return all_ranks_agree(mesh_groups(root.device_mesh), "The state dict", "nothing was loaded on any rank")
+    return all_ranks_agree(root.device_mesh.get_all_groups(), "The state dict", "nothing was loaded on any rank")
 
 
 def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) -> Any:

@@ -79,11 +79,6 @@ def units_in(module: nn.Module) -> list[UnitState]:
     return [state for sub in module.modules() if (state := state_of(sub)) is not None]
 
 
-def wrappers_in(module: nn.Module) -> list[Any]:
-    """Every wrapper in ``module`` (itself included), pre-order (typed ``Any``: FSDP1's attributes)."""
-    return [unit.wrapper for unit in units_in(module)]
-
-
 def units_with_paths(root: nn.Module) -> list[tuple[str, UnitState]]:
     """Each unit in ``root`` with its clean module path relative to ``root`` (``""``: root), pre-order."""
     return [(clean_module_path(path), state) for path, sub in root.named_modules()

@@ -15,9 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _orig_params, _runtime, _state_dict
 from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, clean_name, warn_once
+from ._engine import flatten_mesh
 from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_module, check_not_shared_with_another_root,
                           is_forwardless_container, remember_sharded, resolve_ignored_states)
-from ._mesh import build_mesh, flatten_to_1d, resolve_device
+from ._mesh import build_mesh, resolve_device
 from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
 from ._unit_state import STATE_ATTR, UnitState, state_of, units_in
@@ -177,7 +178,7 @@ class FullyShardedDataParallel(nn.Module):
                 # NO_SHARD replicates over every rank of the mesh: a hybrid strategy switched to it
                 # (one-rank shard groups) still averages gradients over the replicas, where FSDP1
                 # all-reduces over the one-rank group only (README, "Differences from torch FSDP1").
-                mesh=flatten_to_1d(state.device_mesh) if strategy == ShardingStrategy.NO_SHARD else state.device_mesh,
+                mesh=flatten_mesh(state.device_mesh) if strategy == ShardingStrategy.NO_SHARD else state.device_mesh,
                 replicate_only=strategy == ShardingStrategy.NO_SHARD,
                 reshard_after_forward=None if strategy in _RESHARDING else False,
                 mp_policy=_mixed_precision.engine_policy(state.mixed_precision),
