@@ -297,7 +297,7 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
             raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
                              f"not {type(param_state).__name__}")
         for state_name, value in param_state.items():
-            if _is_tensor_like(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
+            if torch.is_tensor(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
                                  f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
                                  "not belong to this model")
@@ -313,7 +313,7 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
 
 def _import_value(value: Any, param: nn.Parameter) -> Any:
     """One saved state value in the layout of ``param``'s state, as new memory."""
-    if not _is_tensor_like(value):
+    if not torch.is_tensor(value):
         return copy.deepcopy(value)
     if len(value.shape) == 0:  # scalar state (``step``): the optimizer places it itself
         return copy_to(value.to_local() if isinstance(value, DTensor) else value)
@@ -475,15 +475,11 @@ def _check_state_kinds(fqn: str, param_state: Mapping[str, Any], shape: tuple[in
 
 
 def _kind(value: Any, shape: tuple[int, ...]) -> str:
-    if not _is_tensor_like(value):
+    if not torch.is_tensor(value):
         return "value"
     if len(value.shape) == 0:
         return "scalar"
     return "param" if tuple(value.shape) == shape else "tensor"
-
-
-def _is_tensor_like(value: Any) -> bool:
-    return torch.is_tensor(value) or is_sharded_tensor(value)
 
 
 # Public API (bound as static methods of FullyShardedDataParallel).
