@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from . import _engine
 from ._collectives import communication_device, ranks_where
@@ -177,12 +177,12 @@ def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: l
     this rank's slice is its ``torch.chunk`` piece (``_match`` checked), the engine's layout."""
     values: dict[int, DTensor] = {}
     for flat_unit in units:
-        mesh, metadata = flat_unit.unit.device_mesh, flat_unit.value.metadata()
+        like, metadata = flat_unit.params[0], flat_unit.value.metadata()  # laid out as its parameters
         device = communication_device(flat_unit.unit.process_group)
         pieces = [shard.tensor.reshape(-1) for shard in flat_unit.value.local_shards() if shard.tensor.numel()]
         local = pieces[0].to(device) if pieces else torch.empty(0, dtype=metadata.tensor_properties.dtype,
                                                                  device=device)
-        flat = DTensor.from_local(local, mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)], run_check=False,
+        flat = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                                   shape=torch.Size(metadata.size), stride=(1,))
         full = gather_full_tensors([flat], device)[0]
         for param, offset in zip(flat_unit.params, flat_unit.offsets):

@@ -21,6 +21,7 @@ from .patch import patch_torch
 
 PATCH_ENV = "FSDP_COMPAT_PATCH_TORCH"
 
+
 def main(argv: list[str]) -> None:
     """Switch torch's FSDP1 names, then run ``argv`` (``script.py args`` or ``-m module args``)."""
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
