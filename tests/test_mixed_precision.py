@@ -557,10 +557,9 @@ def test_buffer_dtype():
 
 
 @distributed_test(world_size=2)
-def test_original_buffer_dtypes_for_state_dicts():
-    """What the state-dict code restores: every buffer under a unit with buffer_dtype set."""
-    from fsdp_compat._mixed_precision import original_buffer_dtypes
-
+def test_state_dicts_hold_buffers_in_their_original_dtypes():
+    """FULL and SHARDED state dicts give every buffer under a unit with buffer_dtype the dtype it had
+    before the cast; an ignored module's buffers are never cast."""
     torch.manual_seed(0)
     model = NormNet().to(diff.device())
     model.register_buffer("temperature", torch.tensor(1.0, dtype=torch.float64))
@@ -569,14 +568,16 @@ def test_original_buffer_dtypes_for_state_dicts():
                    mixed_precision=fsdp_compat.MixedPrecision(param_dtype=torch.bfloat16,
                                                               buffer_dtype=torch.bfloat16),
                    ignored_states=[ignored])
-    wrapped(torch.randn(4, 8))
+    wrapped(torch.randn(4, 8, device=diff.device()))
     assert wrapped.temperature.dtype == torch.bfloat16
     assert ignored.running_mean.dtype == torch.float32  # ignored: never cast
-    restored = original_buffer_dtypes(wrapped)
-    assert restored["temperature"] == torch.float64
-    assert restored["bn.running_mean"] == torch.float32
-    assert restored["bn.num_batches_tracked"] == torch.int64
-    assert not any(name.startswith("block.1.") for name in restored)
+    for state_dict_type in (fsdp_compat.StateDictType.FULL_STATE_DICT, fsdp_compat.StateDictType.SHARDED_STATE_DICT):
+        with FSDP.state_dict_type(wrapped, state_dict_type):
+            saved = wrapped.state_dict()
+        assert saved["temperature"].dtype == torch.float64
+        assert saved["bn.running_mean"].dtype == torch.float32
+        assert saved["bn.num_batches_tracked"].dtype == torch.int64
+        assert saved["block.1.running_mean"].dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
