@@ -87,7 +87,8 @@ _require_methods(FSDPParam, "reset_sharded_param")
 _require_methods(FSDPParamGroup, "_init_mp_dtypes")
 
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 except ImportError:  # pragma: no cover - depends on the torch version
     ShardedTensor = None  # type: ignore[assignment, misc]
 
@@ -353,6 +354,28 @@ def local_shape_and_offset(like: DTensor) -> tuple[tuple[int, ...], tuple[int, .
     ``distribute_tensor`` would first move the whole tensor to the mesh's device (CPU offload)."""
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
     return tuple(shape), tuple(offset)
+
+
+def new_sharded_tensor(local: torch.Tensor, size: torch.Size,
+                       pieces: list[tuple[tuple[int, ...], tuple[int, ...], int]], group: dist.ProcessGroup) -> Any:
+    """FSDP1's ``ShardedTensor`` of global ``size`` over ``group``: ``pieces`` lists the ``(offsets,
+    sizes, global rank)`` of every rank holding a piece; ``local`` is this rank's, kept as it is (no
+    copy), if this rank is among them. Built from metadata alone, as FSDP1's own
+    ``_create_chunk_sharded_tensor``: the public ``init_from_local_shards`` all-gathers every rank's
+    metadata to check it, once per tensor."""
+    device = local.device
+    devices = max(torch.accelerator.device_count(), 1)
+
+    def placement(rank: int) -> str:
+        return f"rank:{rank}/cpu" if device.type == "cpu" else f"rank:{rank}/{device.type}:{rank % devices}"
+
+    shards = [ShardMetadata(list(offsets), list(sizes), placement(rank)) for offsets, sizes, rank in pieces]
+    me = dist.get_rank()
+    local_shards = [Shard(local, ShardMetadata(list(offsets), list(sizes), f"rank:{dist.get_rank()}/{device}"))
+                    for offsets, sizes, rank in pieces if rank == me]
+    metadata = ShardedTensorMetadata(shards_metadata=shards, size=size,
+                                     tensor_properties=TensorProperties(dtype=local.dtype, requires_grad=False))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
 
 
 def sharded_tensor_group(value: Any) -> dist.ProcessGroup:

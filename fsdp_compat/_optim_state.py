@@ -3,10 +3,9 @@
 The optimizer holds the engine's sharded ``DTensor`` parameters, so its state (``exp_avg``...) is
 DTensors sharded like them, keyed by integer ids. FSDP1's formats are keyed by clean parameter
 names: FULL holds each state tensor unsharded (optionally on rank 0 only); SHARDED this rank's
-DTensor shard (FSDP1 writes ``ShardedTensor``; DTensor is the engine's form and what
-``torch.distributed.checkpoint`` prefers; loading takes both). Saving is ``_export``; loading,
-``_import``, validates the whole input first, so bad input raises before anything is touched.
-Key order, ``param_groups`` and scalar state (Adam's ``step``) follow FSDP1's output.
+shard as FSDP1's ``ShardedTensor`` (``DTensor`` where FSDP1 gives one; loading takes both).
+Saving is ``_export``; loading, ``_import``, validates the whole input first, so bad input raises
+before anything is touched. Key order, ``param_groups`` and scalar state (Adam's ``step``) follow FSDP1's output.
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from . import _engine, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
-from ._tensor_layout import (GatherBuffer, TensorSpec, broadcast_tensor, copy_to, full_tensors, is_replicated_only,
-                             is_sharded_tensor, local_copy, scatter_like, scatterable, to_layout_of)
+from ._tensor_layout import (GatherBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
+                             is_replicated_only, is_sharded_tensor, local_copy, scatter_like, scatterable,
+                             to_layout_of)
 from ._unit_state import UnitState, state_of, units_in
 from .api import OptimStateKeyType, StateDictType
 
@@ -167,12 +167,14 @@ def _hyper_parameters(saved_group: Mapping[str, Any]) -> dict[str, Any]:  # as n
 
 # Saving: optimizer ids and engine shards -> FSDP1 names, FULL or SHARDED.
 
-def _export_value(value: Any, *, sharded: bool, offload: bool) -> Any:
-    """One state value in the saved layout, as new memory."""
+def _export_value(value: Any, *, sharded: bool, offload: bool, dtensor: bool) -> Any:
+    """One state value in the saved layout, as new memory (a sharded one as ``DTensor`` if ``dtensor``,
+    else as FSDP1's ``ShardedTensor``)."""
     device = "cpu" if offload else None
     if isinstance(value, DTensor):
         if sharded and not is_replicated_only(value):
-            return local_copy(value, device)
+            shard = local_copy(value, device)
+            return shard if dtensor else as_sharded_tensor(shard)
         # FULL, or NO_SHARD's replicated state (FSDP1's SHARDED form holds full tensors there).
         return full_tensors([value], device)[0]
     if torch.is_tensor(value):
@@ -181,7 +183,7 @@ def _export_value(value: Any, *, sharded: bool, offload: bool) -> Any:
 
 
 def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, Any]], *,
-                   sharded: bool, offload: bool, keep: bool) -> dict[str, dict[str, Any]]:
+                   sharded: bool, offload: bool, keep: bool, dtensor: bool) -> dict[str, dict[str, Any]]:
     """Each parameter's state in the saved layout, in FSDP1's order, as new memory (``keep=False``:
     gather, keep nothing). FULL gathers per unit and state name, as FSDP1 per FlatParameter and
     state: few all-gathers, and a gather buffer of one unit's parameters beside the output."""
@@ -201,15 +203,17 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
         return {}
     return {index.fqn_of[param]: {
                 name: gathered[param, name] if (param, name) in gathered
-                else _export_value(state[name], sharded=sharded, offload=offload)
+                else _export_value(state[name], sharded=sharded, offload=offload, dtensor=dtensor)
                 for name in _state_name_order(index, param, state)}
             for param, state in states.items()}
 
 
 def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool, rank0_only: bool = False,
-            offload: bool = True, group: Any = None, optim_input: OptimInput = None) -> dict[str, Any]:
-    """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED. Every rank
-    must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
+            offload: bool = True, group: Any = None, optim_input: OptimInput = None,
+            dtensor: bool = False) -> dict[str, Any]:
+    """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED (``ShardedTensor``
+    values, ``DTensor`` ones if ``dtensor``). Every rank must call (gathers); with ``rank0_only`` other
+    ranks get ``{}``."""
     _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
     source = optim.state_dict() if source is None else source
     group = _model_group(model, group)
@@ -227,7 +231,7 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, s
                            "every rank must step the same optimizer over the same model")
     to_save = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
     state_out = _export_states(index, {param: state_in[index.key_of[param]] for param in ordered},
-                               sharded=sharded, offload=offload, keep=to_save)
+                               sharded=sharded, offload=offload, keep=to_save, dtensor=dtensor)
     if not to_save:
         return {}
     for key in state_in:
@@ -235,7 +239,7 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, s
             warnings.warn(f"Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy "
                           "everything to the returned state_dict. In most cases, this is a user-defined "
                           "state that is not associated with any particular parameter.", stacklevel=3)
-            state_out[key] = _export_value(state_in[key], sharded=sharded, offload=offload)
+            state_out[key] = _export_value(state_in[key], sharded=sharded, offload=offload, dtensor=dtensor)
     result: dict[str, Any] = {"state": state_out}
     if "param_groups" in source:
         result["param_groups"] = [_named_group(saved, index) for saved in source["param_groups"]]
@@ -484,12 +488,17 @@ def _kind(value: Any, shape: tuple[int, ...]) -> str:
 
 # Public API (bound as static methods of FullyShardedDataParallel).
 
-def _configured(model: nn.Module) -> tuple[bool, bool, bool]:
-    """FULL?, rank0_only, offload_to_cpu: as the model's state-dict type and optimizer config set."""
+def _configured(model: nn.Module) -> tuple[bool, bool, bool, bool]:
+    """FULL?, rank0_only, offload_to_cpu, and whether SHARDED values are ``DTensor``s (FSDP1: when its
+    config says ``_use_dtensor`` or the model was built with a device mesh; else ``ShardedTensor``s,
+    under LOCAL too): as the model's state-dict type and optimizer config set."""
     settings = _state_dict.get_state_dict_type(model)
     config = settings.optim_state_dict_config
     full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
-    return full, full and getattr(config, "rank0_only", False), getattr(config, "offload_to_cpu", True)
+    units = units_in(model)
+    dtensor = settings.state_dict_type == StateDictType.SHARDED_STATE_DICT and (
+        getattr(config, "_use_dtensor", False) or bool(units and units[0].device_mesh_given))
+    return full, full and getattr(config, "rank0_only", False), getattr(config, "offload_to_cpu", True), dtensor
 
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: OptimInput = None,
@@ -502,7 +511,7 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_
 
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict[str, Any]:
-    """This rank's shards of the optimizer state (DTensors on CPU) keyed by parameter names."""
+    """This rank's shards of the optimizer state (FSDP1's ``ShardedTensor``s, on CPU) keyed by parameter names."""
     _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
     return _export(model, optim, None, sharded=True, group=group)
 
@@ -576,12 +585,13 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
     """The optimizer state in the model's current state-dict type, keyed by parameter names.
 
     FULL (``FullOptimStateDictConfig(offload_to_cpu, rank0_only)``): unsharded tensors, ``{}`` on
-    ranks other than 0 under ``rank0_only``. SHARDED (and LOCAL, as FSDP1): DTensor shards,
-    loadable with ``torch.distributed.checkpoint`` at any world size.
+    ranks other than 0 under ``rank0_only``. SHARDED (and LOCAL, as FSDP1): this rank's shards as
+    FSDP1's ``ShardedTensor`` (``DTensor`` as FSDP1 gives them, see ``_configured``), loadable with
+    ``torch.distributed.checkpoint`` at any world size.
     """
-    full, rank0_only, offload = _configured(model)
+    full, rank0_only, offload, dtensor = _configured(model)
     return _export(model, optim, optim_state_dict, sharded=not full, rank0_only=rank0_only,
-                   offload=offload, group=group)
+                   offload=offload, group=group, dtensor=dtensor)
 
 
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,

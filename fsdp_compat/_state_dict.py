@@ -7,11 +7,13 @@ Values are always copies, never views of engine or module memory, so that fillin
 
 * FULL: plain full tensors (each unit gathered in one collective, in full precision).
   ``rank0_only``: other ranks get only ignored modules' parameters (as FSDP1).
-* SHARDED: engine-sharded parameters as ``DTensor`` (what ``torch.distributed.checkpoint``
-  reshards across world sizes), buffers as plain tensors. FSDP1 gives ``ShardedTensor`` unless it
-  was built with a device mesh; both load here.
-* LOCAL: each parameter's own piece on this rank as a plain tensor (dim-0 ``torch.chunk`` piece
-  of the parameter, possibly empty), buffers as plain tensors. Round-trips at the same world size.
+* SHARDED: engine-sharded parameters as FSDP1's ``ShardedTensor`` (``DTensor`` under
+  ``ShardedStateDictConfig(_use_dtensor=True)`` or for a unit built with a device mesh, as FSDP1),
+  buffers as plain tensors. Either is what ``torch.distributed.checkpoint`` reshards across world sizes.
+* LOCAL: each parameter's own piece on this rank (dim-0 ``torch.chunk`` piece, possibly empty) as a
+  ``ShardedTensor`` of the parameter, which carries its sharding (FSDP1 keys one per flat parameter;
+  we key per parameter, see ``_flat_checkpoint``), buffers as plain tensors. A plain per-rank tensor
+  would be taken as replicated by ``torch.distributed.checkpoint`` and saved once: half the data lost.
 * ``NO_SHARD`` units give full tensors for every type, as FSDP1.
 """
 
@@ -31,7 +33,7 @@ from ._common import clean_module_path
 from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, effective_settings, entries_of,
                                   entry_settings)
 from ._state_dict_load import load_state_dict
-from ._tensor_layout import GatherBuffer, gather_full_tensors, shard_like
+from ._tensor_layout import GatherBuffer, as_sharded_tensor, gather_full_tensors, local_copy, shard_like
 from ._unit_state import UnitState, units_in
 from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
                   OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
@@ -155,8 +157,18 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
             continue
         if entry_config.offload_to_cpu and isinstance(value, torch.Tensor):
             value = value.cpu()
+        if isinstance(value, DTensor) and not _gives_dtensor(entry, entry_type, entry_config):
+            value = as_sharded_tensor(value)
         destination[prefix + entry.key] = value
     return destination
+
+
+def _gives_dtensor(entry: Entry, state_dict_type: StateDictType, config: StateDictConfig) -> bool:
+    """FSDP1's rule for a sharded parameter's type: ``DTensor`` under SHARDED when asked for
+    (``ShardedStateDictConfig(_use_dtensor=True)``) or when the unit was built with a device mesh;
+    otherwise (LOCAL too) ``ShardedTensor``."""
+    return state_dict_type == StateDictType.SHARDED_STATE_DICT and (
+        getattr(config, "_use_dtensor", False) or entry.unit.device_mesh_given)
 
 
 def _only_rank0_keeps(config: StateDictConfig, rank: int) -> bool:  # other ranks keep nothing
@@ -204,6 +216,4 @@ def _entry_value(entry: Entry, state_dict_type: StateDictType, full: dict[int, t
         # Inside summon_full_params: the full values the user sees. Ranks that kept their shards
         # (rank0_only) have no full value to give.
         return entry.value.detach().clone() if entry.full_visible else None
-    if entry.full_visible:
-        sharded = shard_like(entry.value, sharded)
-    return (sharded if state_dict_type == StateDictType.SHARDED_STATE_DICT else sharded.to_local()).detach().clone()
+    return shard_like(entry.value, sharded) if entry.full_visible else local_copy(sharded)

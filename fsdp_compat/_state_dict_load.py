@@ -23,7 +23,7 @@ from ._collectives import all_ranks_agree
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
-from ._tensor_layout import is_sharded_tensor, sharded_tensor_local_piece, to_full, to_layout_of
+from ._tensor_layout import is_sharded_tensor, to_full, to_layout_of
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
@@ -207,13 +207,9 @@ def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) ->
     sharded = entry.sharded
     if sharded is None or entry.full_visible:
         return to_full(value)
-    if _is_local_piece(entry, value, state_dict_type):
-        piece = value
-    else:  # a ShardedTensor's local shard may be this rank's piece (FSDP1's, same world size)
-        piece = sharded_tensor_local_piece(value, sharded) if is_sharded_tensor(value) else None
-    if piece is None:
-        return to_layout_of(value, sharded, copy=False)
-    return dtensor_like(piece.to(sharded.to_local().device), sharded)
+    if _is_local_piece(entry, value, state_dict_type):  # a plain piece: earlier fsdp_compat LOCAL dicts
+        return dtensor_like(value.to(sharded.to_local().device), sharded)
+    return to_layout_of(value, sharded, copy=False)
 
 
 def _is_local_piece(entry: Entry, value: Any, state_dict_type: StateDictType) -> bool:

@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._collectives import communication_device
-from ._engine import ShardedTensor, dtensor_like, local_shape_and_offset, local_tensor, sharded_tensor_group
+from ._engine import (ShardedTensor, dtensor_like, local_shape_and_offset, local_tensor, new_sharded_tensor,
+                      sharded_tensor_group)
 
 # torch 2.13 renamed ``all_gather_into_tensor`` (now deprecated, with a warning on every call)
 # to ``all_gather_single``; older torch has only the first.
@@ -135,16 +136,53 @@ def _copy_out(source: torch.Tensor, shape: torch.Size, out_device: torch.device)
     return full
 
 
-def sharded_tensor_local_piece(value: torch.Tensor, like: DTensor) -> torch.Tensor | None:
-    """This rank's piece of ``like``'s layout read straight from a ``ShardedTensor``'s local shard,
-    when the two layouts agree (FSDP1's SHARDED checkpoints at the same world size, whose
-    ``torch.chunk`` pieces are the engine's); else ``None`` (the caller gathers instead)."""
+def _engine_pieces(like: DTensor) -> tuple[dist.ProcessGroup, list[_Piece]] | None:
+    """The shard group of ``like`` and the ``(offsets, sizes, global rank)`` of every rank's non-empty piece
+    of it there: FSDP1's ``ShardedTensor`` metadata for the same ``torch.chunk`` pieces. ``None`` if
+    ``like`` is replicated or laid out otherwise."""
+    shard_dim = _engine_shard_mesh_dim(like)
+    if shard_dim is None or shard_dim < 0:
+        return None
+    group = like.device_mesh.get_group(shard_dim)
+    rows = engine_rows_of_ranks(like, group)
+    if rows is None:
+        return None
+    tail = tuple(like.shape[1:])
+    ranks = dist.get_process_group_ranks(group)
+    return group, [((start,) + (0,) * len(tail), (count,) + tail, rank)
+                   for rank, (start, count) in zip(ranks, rows) if count > 0]
+
+
+_Piece = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, global rank of the holder
+
+
+def as_sharded_tensor(value: DTensor) -> torch.Tensor:
+    """``value`` (laid out as an engine parameter) as FSDP1's ``ShardedTensor`` over its shard group,
+    which is how FSDP1's SHARDED and LOCAL state dicts carry their sharding (``torch.distributed.checkpoint``
+    saves every rank's piece; a plain per-rank tensor would be taken as replicated and saved once). Shares
+    ``value``'s local piece; no collective. ``value`` itself where this torch has no ``ShardedTensor`` or
+    the layout is not the engine's (replicated: every rank holds all of it)."""
+    found = _engine_pieces(value) if ShardedTensor is not None else None
+    if found is None:
+        return value
+    group, pieces = found
+    return new_sharded_tensor(local_tensor(value), value.shape, pieces, group)
+
+
+def _sharded_tensor_piece(value: torch.Tensor, like: DTensor) -> torch.Tensor | None:
+    """This rank's piece of ``like``'s layout read straight from the ``ShardedTensor`` ``value``'s local
+    shard, when ``value`` is cut into exactly ``like``'s pieces (FSDP1's SHARDED and our SHARDED and LOCAL
+    checkpoints at the same world size); else ``None``. Decided from the global metadata, so alike on
+    every rank: the other answer costs collectives."""
+    found = _engine_pieces(like)
+    metadata = value.metadata()  # type: ignore[attr-defined]
+    theirs = {(tuple(shard.shard_offsets), tuple(shard.shard_sizes), shard.placement.rank())
+              for shard in metadata.shards_metadata if 0 not in shard.shard_sizes}
+    if found is None or tuple(metadata.size) != tuple(like.shape) or theirs != set(found[1]):
+        return None
     local = local_tensor(like)
-    offset, shape = _local_box(like, local)
-    for shard in value.local_shards():  # type: ignore[attr-defined]
-        if tuple(shard.metadata.shard_sizes) == shape and tuple(shard.metadata.shard_offsets) == offset:
-            return shard.tensor
-    return local.new_empty(local.shape) if local.numel() == 0 else None
+    shards = [shard.tensor for shard in value.local_shards() if shard.tensor.numel()]  # type: ignore[attr-defined]
+    return shards[0] if shards else local.new_empty(local.shape)
 
 
 def _local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | None:
@@ -308,20 +346,23 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
         if 0 in shard.shard_sizes:
             continue
         offsets = tuple(shard.shard_offsets)
-        owner = shard.placement.rank()  # a rank of the ShardedTensor's group
-        buffer = (mine[offsets].to(device, copy=True) if owner == dist.get_rank(group)
+        owner = shard.placement.rank()  # a global rank (of the ShardedTensor's group)
+        buffer = (mine[offsets].to(device, copy=True) if owner == dist.get_rank()
                   else torch.empty(shard.shard_sizes, dtype=dtype, device=device))
-        dist.broadcast(buffer, group_src=owner, group=group)
+        dist.broadcast(buffer, src=owner, group=group)
         full[tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))] = buffer
     return full
 
 
 def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
     """``value`` (any layout, global shape of ``like``) in ``like``'s layout, on its device; without
-    communication when ``value`` is a DTensor sharded exactly as ``like`` (a decision every rank makes
-    alike). ``copy=False`` may return views of ``value``'s memory (for a load, which copies them)."""
+    communication when ``value`` is a DTensor or ``ShardedTensor`` sharded exactly as ``like`` (a
+    decision every rank makes alike). ``copy=False`` may return views of ``value``'s memory (for a
+    load, which copies them)."""
     if not isinstance(like, DTensor):
         return to_full(value).detach().to(like.device, copy=copy)
+    if is_sharded_tensor(value) and (piece := _sharded_tensor_piece(value, like)) is not None:
+        return dtensor_like(piece.detach().to(local_tensor(like).device, copy=copy), like)
     layout = (like.shape, like.device_mesh, tuple(like.placements))
     if not (isinstance(value, DTensor) and (value.shape, value.device_mesh, tuple(value.placements)) == layout):
         return shard_like(to_full(value), like)

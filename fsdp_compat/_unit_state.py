@@ -39,6 +39,9 @@ class UnitState:
     ignored_params: set[nn.Parameter]
     compute_device: torch.device
     device_mesh: DeviceMesh
+    # Whether the user built the wrapper (or the auto-wrapping root) with a ``device_mesh``: FSDP1
+    # then gives SHARDED state as ``DTensor``, else as ``ShardedTensor``.
+    device_mesh_given: bool
     process_group: dist.ProcessGroup = dataclasses.field(init=False)  # the shard group (last mesh dim)
     rank: int = dataclasses.field(init=False)  # in the shard group
     world_size: int = dataclasses.field(init=False)

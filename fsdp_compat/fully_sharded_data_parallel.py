@@ -68,13 +68,17 @@ def _warn_about_no_shard(requested: ShardingStrategy, unit: UnitState) -> None:
 
 
 def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShardedDataParallel:
-    """Wrap a submodule chosen by the auto-wrap policy, passing the ignored states inside it as given."""
+    """Wrap a submodule chosen by the auto-wrap policy, passing the ignored states inside it as given
+    (and the parent's mesh, recording whether the user gave it, as FSDP1 passes on its arguments)."""
     if parent.ignored_modules:
         ignored = parent.ignored_modules & set(child.modules()) - {child}
         top_level = [m for m in ignored if not any(m in set(o.children()) for o in ignored)]
-        return FullyShardedDataParallel(child, ignored_modules=top_level or None, **kwargs)
-    ignored_params = list(parent.ignored_params & set(child.parameters()))
-    return FullyShardedDataParallel(child, ignored_states=ignored_params or None, **kwargs)
+        wrapper = FullyShardedDataParallel(child, ignored_modules=top_level or None, **kwargs)
+    else:
+        ignored_params = list(parent.ignored_params & set(child.parameters()))
+        wrapper = FullyShardedDataParallel(child, ignored_states=ignored_params or None, **kwargs)
+    wrapper._unit.device_mesh_given = parent.device_mesh_given
+    return wrapper
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -141,7 +145,8 @@ class FullyShardedDataParallel(nn.Module):
             backward_prefetch=backward_prefetch, forward_prefetch=bool(forward_prefetch),
             limit_all_gathers=bool(limit_all_gathers), use_orig_params=bool(use_orig_params),
             sync_module_states=bool(sync_module_states), ignored_modules=ignored_modules,
-            ignored_params=ignored_params, compute_device=compute_device, device_mesh=mesh)
+            ignored_params=ignored_params, compute_device=compute_device, device_mesh=mesh,
+            device_mesh_given=device_mesh is not None)
 
         materializer = MetaMaterializer(compute_device, ignored_modules, param_init_fn)
         if auto_wrap_policy is not None:

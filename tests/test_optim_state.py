@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp_compat
-from fsdp_compat import FullOptimStateDictConfig, OptimStateKeyType, StateDictType
+from fsdp_compat import FullOptimStateDictConfig, OptimStateKeyType, ShardedOptimStateDictConfig, StateDictType
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat._common import clean_name
 from fsdp_compat.examples import Block, GPTConfig
@@ -273,7 +273,7 @@ def assert_state_values_close(actual: dict[str, Any], expected: dict[str, dict[s
     for name, state in expected.items():
         for key, value in state.items():
             mine = actual[name][key]
-            mine = to_full(mine) if isinstance(mine, DTensor) else mine
+            mine = to_full(mine) if isinstance(mine, DTensor) or is_sharded_tensor(mine) else mine
             torch.testing.assert_close(mine.float(), value.float(), rtol=1e-4, atol=1e-6,
                                        msg=lambda m, n=name, k=key: f"{what} {n}.{k}: {m}")
 
@@ -411,11 +411,20 @@ def test_configs_follow_state_dict_type():
     assert (rank0 == {}) == (dist.get_rank() != 0)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sharded = FSDP.optim_state_dict(model, optim)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
+                              optim_state_dict_config=ShardedOptimStateDictConfig(_use_dtensor=True)):
+        dtensors = FSDP.optim_state_dict(model, optim)
     params = {clean_name(n): p for n, p in model.named_parameters()}
     for name, state in sharded["state"].items():
         assert type(state["step"]) is torch.Tensor and state["step"].dim() == 0
         for key in ("exp_avg", "exp_avg_sq"):
             value, param = state[key], params[name]
+            # FSDP1's ShardedTensor by default: this rank's piece as its one local shard (if any)
+            assert is_sharded_tensor(value) and value.shape == param.shape
+            local = [shard.tensor for shard in value.local_shards()]
+            assert [t.shape for t in local] == ([param.to_local().shape] if param.to_local().numel() else [])
+            assert all(t.device.type == "cpu" for t in local)
+            value = dtensors["state"][name][key]  # DTensor when asked for, laid out as the parameter
             assert isinstance(value, DTensor) and value.placements == param.placements
             assert value.to_local().shape == param.to_local().shape
             assert value.to_local().device.type == "cpu"

@@ -9,6 +9,7 @@ on CPU), the single-process model is the reference.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -62,6 +63,16 @@ def state_dict_of(model, state_dict_type=FULL, config=None):
         return model.state_dict()
 
 
+def local_part(value: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a state-dict value (a DTensor's or ShardedTensor's local shard), or the value."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if type(value).__name__ == "ShardedTensor":
+        shards = value.local_shards()
+        return shards[0].tensor if shards else torch.empty(0, dtype=value.dtype)
+    return value
+
+
 def full_value(value: torch.Tensor) -> torch.Tensor:
     """A state-dict value as a full tensor (ShardedTensor / DTensor gathered on every rank)."""
     if isinstance(value, DTensor):
@@ -80,8 +91,8 @@ def assert_same_state_dict(ours: dict, theirs: dict, what: str, exact: bool = Fa
     for key in theirs:
         a, b = ours[key], theirs[key]
         assert isinstance(a, torch.Tensor) == isinstance(b, torch.Tensor), f"{what} {key}: kinds differ"
-        # Plain tensors where FSDP1 has them (its sharded kind is ShardedTensor, ours DTensor).
-        assert (type(a) is torch.Tensor) == (type(b) is torch.Tensor), f"{what} {key}: {type(a)} vs {type(b)}"
+        # The same kind: plain tensors where FSDP1 has them, ShardedTensor or DTensor where it has those.
+        assert type(a).__name__ == type(b).__name__, f"{what} {key}: {type(a)} vs {type(b)}"
         assert a.dtype == b.dtype and a.shape == b.shape, \
             f"{what} {key}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
         a, b = full_value(a), full_value(b)
@@ -256,7 +267,7 @@ def test_state_dict_values_are_copies():
     before = diff.model_state(model)
     for state_dict_type in (FULL, SHARDED, LOCAL):
         for value in state_dict_of(model, state_dict_type).values():
-            (value.to_local() if isinstance(value, DTensor) else value).add_(1.0)
+            local_part(value).add_(1.0)
     after = diff.model_state(model)
     for key in before:
         assert torch.equal(before[key], after[key]), key
@@ -280,14 +291,78 @@ def test_sharded_state_dict_matches_fsdp1(strategy, auto_wrap, use_orig_params):
         if strategy == "NO_SHARD" or "logit_scale" in key:  # full tensors, as FSDP1
             assert type(value) is torch.Tensor, key
             continue
-        # DTensor over the model's mesh, with FSDP1's torch.chunk pieces: same local shards.
-        assert isinstance(value, DTensor), key
-        assert type(theirs_value).__name__ == "ShardedTensor"
-        theirs_local = theirs_value.local_shards()[0].tensor if theirs_value.local_shards() else None
-        if theirs_local is not None:
-            assert diff.relative_error(value.to_local(), theirs_local) <= 1e-5, key
-        else:
-            assert value.to_local().numel() == 0, key
+        # FSDP1's ShardedTensor, with its torch.chunk pieces: same metadata, same local shards.
+        assert type(value).__name__ == type(theirs_value).__name__ == "ShardedTensor", key
+        assert value.metadata() == theirs_value.metadata(), key
+        assert [s.metadata for s in value.local_shards()] == [s.metadata for s in theirs_value.local_shards()], key
+        assert diff.relative_error(local_part(value), local_part(theirs_value)) <= 1e-5, key
+
+
+def value_kinds(wrapper_class, state_dict_type: str, use_dtensor: bool, with_device_mesh: bool,
+                hybrid: bool = False) -> dict[str, list[str]]:
+    """The kinds (class names) of a trained model's state-dict values and of its AdamW state under
+    ``state_dict_type``: model, ``optim_state_dict`` and the legacy ``sharded_optim_state_dict``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    diff.quiet()
+    kwargs = {"device_id": diff.device()} if wrapper_class is diff.TorchFSDP else {}
+    world = dist.get_world_size()
+    if hybrid:  # FSDP1's (intra-node, inter-node) groups: 2 nodes of world/2 ranks
+        kwargs["sharding_strategy"] = diff.torch_fsdp.ShardingStrategy.HYBRID_SHARD
+        mesh = init_device_mesh(diff.device().type, (2, world // 2))
+        kwargs["process_group"] = (mesh.get_group(1), mesh.get_group(0))
+    if with_device_mesh:
+        kwargs["device_mesh"] = init_device_mesh(diff.device().type, (world,))
+    model = wrapper_class(diff.make_model(), auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True,
+                          **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diff.train(model, optimizer, 1)
+    api = diff.torch_fsdp if wrapper_class is diff.TorchFSDP else fsdp_compat
+    config = (api.ShardedStateDictConfig(_use_dtensor=use_dtensor), api.ShardedOptimStateDictConfig(
+        _use_dtensor=use_dtensor)) if state_dict_type == "SHARDED_STATE_DICT" else (None, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with wrapper_class.state_dict_type(model, getattr(api.StateDictType, state_dict_type), *config):
+            model_state = model.state_dict()
+            optim_state = wrapper_class.optim_state_dict(model, optimizer)
+        legacy = wrapper_class.sharded_optim_state_dict(model, optimizer)
+
+    def kinds(values):
+        return sorted({type(value).__name__ for value in values if value.dim() > 0})
+
+    return {"model": kinds(model_state.values()),
+            "optim": kinds(v for state in optim_state["state"].values() for v in state.values()),
+            "legacy": kinds(v for state in legacy["state"].values() for v in state.values())}
+
+
+# Where FSDP1 runs: the default is ShardedTensor (SHARDED and LOCAL alike, model and optimizer);
+# DTensor under SHARDED for a model built with a device mesh, with or without ``_use_dtensor``.
+VALUE_KIND_CASES = {"sharded": ("SHARDED_STATE_DICT", False, False), "local": ("LOCAL_STATE_DICT", False, False),
+                    "sharded-device-mesh": ("SHARDED_STATE_DICT", False, True),
+                    "sharded-use-dtensor-device-mesh": ("SHARDED_STATE_DICT", True, True)}
+
+
+@pytest.mark.parametrize("case", sorted(VALUE_KIND_CASES))
+@distributed_test(world_size=2)
+def test_sharded_and_local_value_kinds_match_fsdp1(case):
+    expected = diff.fsdp1_value("state_dict_value_kinds", diff.golden_key(case),
+                                lambda: value_kinds(diff.TorchFSDP, *VALUE_KIND_CASES[case]))
+    if case == "local":  # FSDP1 adds plain per-rank views of its flat parameter's pieces; we key per
+        expected = {**expected, "model": ["ShardedTensor"]}  # parameter, each a ShardedTensor (README)
+    assert value_kinds(FSDP, *VALUE_KIND_CASES[case]) == expected
+
+
+@distributed_test(world_size=4)
+def test_hybrid_sharded_values_are_sharded_tensors_over_the_shard_group_as_fsdp1():
+    expected = diff.fsdp1_value("state_dict_value_kinds", diff.golden_key("hybrid-process-groups"),
+                                lambda: value_kinds(diff.TorchFSDP, "SHARDED_STATE_DICT", False, False, hybrid=True))
+    assert value_kinds(FSDP, "SHARDED_STATE_DICT", False, False, hybrid=True) == expected
+
+
+@distributed_test(world_size=2)
+def test_use_dtensor_without_device_mesh_gives_dtensors():
+    """FSDP1 fails there (its ``_use_dtensor`` path needs a device mesh); we give what was asked for."""
+    assert value_kinds(FSDP, "SHARDED_STATE_DICT", True, False) == {
+        "model": ["DTensor"], "optim": ["DTensor"], "legacy": ["ShardedTensor"]}
 
 
 @needs_fsdp1
@@ -296,6 +371,7 @@ def test_sharded_state_dict_world_4_hybrid():
     ours, theirs = build(FSDP, "HYBRID_SHARD"), build(diff.TorchFSDP, "HYBRID_SHARD")
     ours_sd, theirs_sd = state_dict_of(ours, SHARDED), state_dict_of(theirs, SHARDED)
     assert_same_state_dict(ours_sd, theirs_sd, "SHARDED hybrid")
+    # Built with a device mesh: DTensors over it, as FSDP1's.
     assert isinstance(ours_sd["tok_emb.weight"], DTensor)
     assert ours_sd["tok_emb.weight"].device_mesh.ndim == 2
     # Both load back into a differently trained hybrid model (FSDP1's over its own mesh).
@@ -337,28 +413,33 @@ def test_sharded_offload_to_cpu():
     sd = state_dict_of(model, SHARDED, fsdp_compat.ShardedStateDictConfig(offload_to_cpu=True))
     assert list(sd) == list(reference)
     for key, value in sd.items():
-        assert (value.to_local() if isinstance(value, DTensor) else value).device.type == "cpu"
+        assert local_part(value).device.type == "cpu"
         assert diff.relative_error(full_value(value), reference[key]) <= 1e-5, key
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 @distributed_test(world_size=2)
 def test_local_state_dict_format_and_round_trip(strategy):
-    """LOCAL: every key of the unwrapped model; a parameter's value is this rank's dim-0
-    ``torch.chunk`` piece of it (plain tensor, possibly empty; the whole tensor under NO_SHARD)."""
+    """LOCAL: every key of the unwrapped model (FSDP1 keys flat parameters instead: README); a sharded
+    parameter's value is a ShardedTensor of the parameter holding this rank's dim-0 ``torch.chunk``
+    piece (none where the piece is empty), so that it carries its sharding as FSDP1's values do;
+    buffers and NO_SHARD parameters are plain full tensors."""
     model = build(FSDP, strategy)
     full = state_dict_of(model, FULL)
     local = state_dict_of(model, LOCAL)
     assert list(local) == list(full)
     world, rank = dist.get_world_size(), dist.get_rank()
     for key, value in local.items():
-        assert type(value) is torch.Tensor, key
         if value.dim() == 0 or key == "logit_scale" or strategy == "NO_SHARD":
+            assert type(value) is torch.Tensor, key
             assert torch.equal(value, full[key]), key
             continue
+        assert type(value).__name__ == "ShardedTensor" and value.shape == full[key].shape, key
         pieces = torch.chunk(full[key], world)
         expected = pieces[rank] if rank < len(pieces) else full[key][:0]
-        assert torch.equal(value, expected), key
+        assert len(value.local_shards()) == (1 if expected.numel() else 0), key
+        assert torch.equal(local_part(value), expected), key
+        assert torch.equal(full_value(value), full[key]), key
     # Round trip at the same world size into a differently trained model.
     other = build(FSDP, strategy, steps=STEPS + 2)
     with FSDP.state_dict_type(other, LOCAL):

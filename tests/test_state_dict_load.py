@@ -26,9 +26,16 @@ STEPS_MORE = 4
 
 
 def shifted(state_dict: dict) -> dict:
-    """The same state dict with every floating-point value changed (so a copy would show)."""
-    return {k: v + 1.0 if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-            for k, v in state_dict.items()}
+    """The same state dict with every floating-point value changed (so a copy would show); a
+    ShardedTensor's local shards are changed in place (state dict values are copies)."""
+    def shift(value):
+        if type(value).__name__ == "ShardedTensor":
+            for shard in value.local_shards():
+                shard.tensor.add_(1.0)
+            return value
+        return value + 1.0 if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return {k: shift(v) for k, v in state_dict.items()}
 
 
 def _quantized(value: torch.Tensor) -> torch.Tensor:
