@@ -1,7 +1,8 @@
 """A new default process group in the same processes (``destroy_process_group``, then
 ``init_process_group``): wrapping builds its meshes on the new groups, never on cached ones of the
 destroyed group, and trains like the single-process reference (and torch FSDP1, for the explicit
-``(intra_node, inter_node)`` pair FSDP1 takes for hybrid sharding without an auto-wrap policy).
+``(intra_node, inter_node)`` pair FSDP1 takes for hybrid sharding without an auto-wrap policy);
+a ``NO_SHARD`` comm hook trains there too.
 
 Each test re-creates the rank pool's default group (same backend, ranks and world size, a fresh
 port) and leaves it in place, so later tests run on it as on the original. A failing test tears the
@@ -109,6 +110,37 @@ def test_hybrid_shard_trains_on_a_re_created_default_group(layout):
     if layout == "group_pair":  # the one layout FSDP1 takes without an auto-wrap policy
         diff.check_against_fsdp1(GOLDEN, diff.golden_key("HYBRID_SHARD", layout), losses,
                                  lambda: _fsdp1_losses_after_re_creation(layout))
+
+
+def _train_with_comm_hook(wrapper_class: type) -> tuple[list[float], dict[str, Any]]:
+    """``NO_SHARD`` with torch's all-reduce hook: the hook's all-reduce replaces the engine's, which
+    goes to a one-rank group the wrapper makes once per default group."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    api = fsdp_compat if wrapper_class is FSDP else diff.torch_fsdp
+    extra = {} if wrapper_class is FSDP else diff.fsdp1_kwargs()
+    model = wrapper_class(diff.make_model(), sharding_strategy=api.ShardingStrategy.NO_SHARD, **extra)
+    model.register_comm_hook(default_hooks.DefaultState(dist.group.WORLD), default_hooks.allreduce_hook)
+    optimizer = diff.make_optimizer("sgd", model.parameters())
+    return diff.train(model, optimizer, 1), diff.full_parameters(model)
+
+
+@distributed_test(world_size=2)
+def test_comm_hook_trains_on_a_re_created_default_group():
+    diff.quiet()
+    _train_with_comm_hook(FSDP)
+    _recreate_default_group()
+    losses, params = _train_with_comm_hook(FSDP)
+    reference_losses, reference_params = diff.reference_run("sgd", 1)
+    diff.assert_close_lists(losses, reference_losses, what="losses vs reference")
+    diff.assert_close_dicts(params, reference_params, what="params vs reference")
+
+    def fsdp1_losses() -> list[float]:
+        _train_with_comm_hook(diff.TorchFSDP)
+        _recreate_default_group()
+        return _train_with_comm_hook(diff.TorchFSDP)[0]
+
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("NO_SHARD", "comm_hook"), losses, fsdp1_losses)
 
 
 def _fsdp1_losses_after_re_creation(layout: str) -> list[float]:
