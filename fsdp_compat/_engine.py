@@ -495,3 +495,14 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
         return _DTENSOR_NEW(DTensor, local, like._spec, requires_grad=False)
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
+
+
+def forget_dtensor_layout_caches() -> None:
+    """Empty DTensor's caches of operator output layouts (Python and C++ fast path), as after a new
+    default process group: they are keyed by meshes, which compare by ranks and dimension names,
+    not by process groups, so they would give new tensors a mesh of the destroyed groups (and torch
+    names new groups "1", "2"... again, so such a mesh may even resolve to other ranks' groups).
+    torch has only a debugging helper for this."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

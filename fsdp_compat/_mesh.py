@@ -5,6 +5,7 @@ units creates the process groups once."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -12,20 +13,36 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _engine
 from ._collectives import communication_device
 from .api import ShardingStrategy
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 MESH_DIM_NAMES_2D = ("replicate", "shard")
 
-# Keys hold the groups and meshes themselves (not ids), so a cached entry cannot outlive them.
+# Keys hold the groups and meshes themselves (not ids). That alone does not keep an entry from
+# outliving its groups: the default hybrid mesh is keyed by sizes, and a ``DeviceMesh`` key compares
+# by layout, not by groups. Every cached mesh is built under one default group, so a new default
+# group (``destroy_process_group`` then ``init_process_group`` in the same process) empties the cache.
 _mesh_cache: dict[tuple[Any, ...], DeviceMesh] = {}
+_cached_under: weakref.ref[Any] | None = None  # the default group the cached meshes were built under
 
 
 def _cached(key: tuple[Any, ...], build: Callable[[], DeviceMesh]) -> DeviceMesh:
     if key not in _mesh_cache:
         _mesh_cache[key] = build()
     return _mesh_cache[key]
+
+
+def _forget_layouts_of_a_former_default_group() -> None:
+    """After a new default group, drop our meshes and DTensor's layouts: both may hold its groups."""
+    global _cached_under
+    world = dist.group.WORLD
+    if _cached_under is not None and _cached_under() is world:
+        return
+    _mesh_cache.clear()
+    _engine.forget_dtensor_layout_caches()
+    _cached_under = None if world is None else weakref.ref(world)
 
 
 def resolve_device(device_id: int | torch.device | None, process_group: Any) -> torch.device:
@@ -43,6 +60,7 @@ def resolve_device(device_id: int | torch.device | None, process_group: Any) -> 
 def build_mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: DeviceMesh | None,
                device: torch.device) -> DeviceMesh:
     """The engine mesh for ``strategy``: 2-D ``(replicate, shard)`` for hybrid strategies, else 1-D."""
+    _forget_layouts_of_a_former_default_group()
     hybrid = strategy in HYBRID_STRATEGIES
     if device_mesh is not None:
         return _check_given_mesh(device_mesh, hybrid)

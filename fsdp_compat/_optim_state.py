@@ -225,7 +225,7 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, s
         named = bool(state_in) and all(isinstance(key, str) for key in state_in)
         index = _param_index(model, optim, optim_input, named_keys=named)
     ordered = _state_order(index, [param for param, key in index.key_of.items() if key in state_in])
-    signature = [(index.fqn_of[param], list(state_in[index.key_of[param]])) for param in ordered]
+    signature = [(index.fqn_of[param], list(state_in[index.key_of[param]])) for param in _held_alike(index, ordered)]
     if dist.is_initialized() and not same_on_all_ranks(signature, group):  # or the gathers would not pair up
         raise RuntimeError("Ranks hold optimizer state for different parameters or state names; "
                            "every rank must step the same optimizer over the same model")
@@ -246,6 +246,14 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, s
     return result
 
 
+def _held_alike(index: _ParamIndex, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters whose state every rank must hold under the same names: with
+    ``use_orig_params=True`` those of FSDP units only (their state is gathered), as FSDP1 merges
+    every rank's names; parameters outside every unit (TorchRec's, ``ignored_states``) may differ by
+    rank, each rank saving its own. FSDP1 ``use_orig_params=False`` requires rank 0's on every rank."""
+    return params if index.flat_order else [param for param in params if param in index.unit_of]
+
+
 def _named_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]:
     """A saved param group with ``params`` named in FSDP1's order."""
     params = index.in_flat_order(index.param_of_key[key] for key in saved["params"])
@@ -254,17 +262,18 @@ def _named_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]
 
 # Loading: FSDP1 names (FULL / SHARDED / ShardedTensor) -> optimizer ids and engine shards.
 
-def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
+def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any, load_directly: bool = False) -> None:
     """Everything that can be wrong with ``osd``, before any work. Exception types are FSDP1's, or
     where FSDP1 only fails later (``optim.load_state_dict``, the next step) the type raised there."""
     if not isinstance(osd, Mapping) or "state" not in osd:
         raise ValueError('`optim_state_dict` must have the keys "state" and "param_groups" to be a '
                          "valid optimizer state dict; pass what FSDP.optim_state_dict (or "
                          f"full_optim_state_dict) returned, not {type(osd).__name__}")
-    if "param_groups" not in osd:
-        raise KeyError("The optimizer state dict has no 'param_groups'; pass the whole dict that "
-                       "FSDP.optim_state_dict (or full_optim_state_dict) returned")
-    state, saved_groups = osd["state"], osd["param_groups"]
+    if "param_groups" not in osd and load_directly:  # FSDP1: the same KeyError, from optim.load_state_dict
+        raise KeyError("The optimizer state dict has no 'param_groups', which optim.load_state_dict needs; "
+                       "pass the whole dict that FSDP.optim_state_dict returned, or load_directly=False and "
+                       "add the optimizer's param_groups to the result before loading it")
+    state, saved_groups = osd["state"], osd.get("param_groups")
     if state and all(isinstance(key, int) for key in state):
         raise ValueError("This optimizer state dict is keyed by parameter ids (an optimizer's own state_dict()), "
                          "but FSDP's loaders take parameter names; convert it first with "
@@ -273,26 +282,38 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any) -> None:
         raise ValueError(f"Invalid parameter keys: {list(state)}; the state must be keyed by parameter names only")
     known = {index.fqn_of[param] for param in index.key_of}
     unknown = [name for name in state if name not in known]
-    unknown += [name for group in saved_groups for name in group["params"] if name not in known]
+    unknown += [name for group in saved_groups or [] for name in group["params"] if name not in known]
     if unknown:
         raise KeyError(f"The optimizer state dict names parameters this model's optimizer does not "
                        f"hold: {sorted(set(unknown))[:10]}; is it the state of another model?")
+    if saved_groups is not None:  # FSDP1 converts the state alone, and returns no param_groups
+        _validate_groups(saved_groups, index)
+    _validate_states(state, index, optim, saved_groups)
+
+
+def _validate_groups(saved_groups: list[Mapping[str, Any]], index: _ParamIndex) -> None:
+    """The saved groups are the optimizer's, but for parameters outside every FSDP unit that the
+    optimizer holds and the dict does not name (FSDP1 skips them: model-parallel parameters managed
+    apart from FSDP, loaded by their own code)."""
     if len(saved_groups) != len(index.groups):
         raise ValueError(f"loaded state dict has a different number of parameter groups "
                          f"({len(saved_groups)}) than the optimizer ({len(index.groups)}); build the "
                          "optimizer with the same parameter groups as the one that was saved")
     for number, (saved, current) in enumerate(zip(saved_groups, index.groups)):
-        if sorted(saved["params"]) != sorted(index.fqn_of[param] for param in current):
+        names = {index.fqn_of[param] for param in current if param in index.unit_of or
+                 index.fqn_of[param] in saved["params"]}
+        if sorted(saved["params"]) != sorted(names):
             raise ValueError(f"Parameter group {number} of the loaded state dict holds other "
                              f"parameters than the optimizer's group {number}; build the optimizer "
                              "with the same parameter groups as the one that was saved")
-    _validate_states(state, index, optim, saved_groups)
 
 
 def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
-                     saved_groups: list[Mapping[str, Any]]) -> None:
-    """Each parameter's state must fit its shape and be what ``optim``'s class keeps with the
-    saved hyper-parameters (which the load installs), so the result can be stepped."""
+                     saved_groups: list[Mapping[str, Any]] | None) -> None:
+    """Each parameter's state must fit its shape and hold what ``optim``'s class needs with the
+    saved hyper-parameters (which the load installs; without saved groups, the optimizer's own),
+    so the result can be stepped."""
+    hyper_parameters = saved_groups if saved_groups is not None else getattr(optim, "param_groups", [])
     group_of = {param: number for number, group in enumerate(index.groups) for param in group}
     learned: dict[tuple[Any, ...], _StateKinds | None] = {}  # per group and dimensionality
     for name, param_state in state.items():
@@ -310,7 +331,7 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
         local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
         key = (group_of[param], local.dim(), local.dtype, local.device)
         if key not in learned:
-            learned[key] = _learn_state_kinds(optim, saved_groups[group_of[param]], local)
+            learned[key] = _learn_state_kinds(optim, hyper_parameters[group_of[param]], local)
         if (expected := learned[key]) is not None:
             _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
@@ -331,9 +352,9 @@ def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
             return value
         return TensorSpec.of(value) if value.dim() > 0 else value.cpu()
 
-    return {"state": {name: {state_name: strip(value) for state_name, value in param_state.items()}
-                      for name, param_state in osd["state"].items()},
-            "param_groups": osd["param_groups"]}
+    skeleton = {"state": {name: {state_name: strip(value) for state_name, value in param_state.items()}
+                          for name, param_state in osd["state"].items()}}
+    return {**skeleton, **({"param_groups": osd["param_groups"]} if "param_groups" in osd else {})}
 
 
 def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, Any], dict[tuple[str, str], Any]]:
@@ -363,8 +384,8 @@ def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, 
     return (osd if is_rank0 else skeleton), received
 
 
-def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
-            rank0_only: bool = False, group: Any = None, named_keys: bool = False) -> dict[str, Any]:
+def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None, rank0_only: bool = False,
+            group: Any = None, named_keys: bool = False, load_directly: bool = False) -> dict[str, Any]:
     """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as ``optim.load_state_dict``
     takes it, as new memory. Every rank validates what it reads (only rank 0 under ``rank0_only``)
     and all agree on the outcome before anything is converted: all raise, or none."""
@@ -374,7 +395,7 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
                          "no optimizer state was converted or loaded on any rank"):
         index = _param_index(model, optim, optim_input, named_keys=named_keys)
         if reads_input:
-            _validate_for_load(osd, index, optim)
+            _validate_for_load(osd, index, optim, load_directly)
             values = [value for param_state in osd["state"].values() for value in param_state.values()]
             if rank0_only and any(isinstance(value, DTensor) or is_sharded_tensor(value) for value in values):
                 raise ValueError("A full optimizer state dict holds plain tensors; pass "
@@ -388,9 +409,15 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
         state[index.key_of[param]] = {
             state_name: received[name, state_name] if (name, state_name) in received
             else _import_value(value, param) for state_name, value in param_state.items()}
-    param_groups = [{**_hyper_parameters(saved), "params": sorted(index.key_of[param] for param in current)}
-                    for saved, current in zip(osd["param_groups"], index.groups)]  # FSDP1 sorts ``params``
-    return {"state": state, "param_groups": param_groups}
+    if "param_groups" not in osd:
+        return {"state": state}
+    return {"state": state, "param_groups": [_keyed_group(saved, index) for saved in osd["param_groups"]]}
+
+
+def _keyed_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]:
+    """A saved param group with ``params`` the optimizer's keys of its names, sorted as FSDP1 writes them."""
+    return {**_hyper_parameters(saved), "params": sorted(index.key_of[index.param_of_fqn[name]]
+                                                         for name in saved["params"])}
 
 
 # State kinds: what an optimizer keeps per parameter, so that a loaded state can always be stepped.
@@ -454,19 +481,15 @@ def _memo_key(optim: Any, hyper_parameters: Mapping[str, Any], like: torch.Tenso
 
 def _check_state_kinds(fqn: str, param_state: Mapping[str, Any], shape: tuple[int, ...],
                        expected: _StateKinds, optim_name: str) -> None:
-    """``KeyError`` for a missing state, ``ValueError`` for an unknown one or a value of the wrong kind."""
+    """``KeyError`` for a missing state, ``ValueError`` for a value of the wrong kind. Other entries
+    (a float, ``None``, a tensor the class does not keep) are carried through, as FSDP1 does:
+    ``optim.load_state_dict`` keeps them and the step ignores them."""
     missing = [name for name in expected if name not in param_state]
     if missing:
         raise KeyError(f"The state of {fqn!r} has no {missing[0]!r}, which {optim_name} keeps for every "
                        f"parameter it stepped (it has {sorted(param_state)}; {optim_name} keeps "
                        f"{sorted(expected)}). Was the checkpoint saved from another optimizer class or "
                        "other hyper-parameters? Load it into the optimizer it was saved from.")
-    unknown = [name for name in param_state if name not in expected]
-    if unknown:
-        raise ValueError(f"The state of {fqn!r} holds {unknown[0]!r}, which {optim_name} with these "
-                         f"param_groups does not keep (it keeps {sorted(expected)}): the checkpoint was "
-                         "saved from another optimizer class or other hyper-parameters. Load it into the "
-                         "optimizer it was saved from, or remove that state from the dict.")
     for name, kind in expected.items():
         value = param_state[name]
         found = _kind(value, shape)
@@ -604,7 +627,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
     before anything is converted, so on error the optimizer is untouched.
     """
     result = _import(model, optim, optim_state_dict, rank0_only=_configured(model)[1], group=group,
-                     named_keys=is_named_optimizer)
+                     named_keys=is_named_optimizer, load_directly=load_directly)
     if load_directly:
         optim.load_state_dict(result)
     return result

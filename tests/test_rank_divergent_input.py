@@ -197,6 +197,9 @@ CORRUPTIONS = {
     "zero_dim_exp_avg": (_set("exp_avg", lambda state: torch.tensor(0.5)), ValueError, "'exp_avg'"),
     "none_exp_avg": (_set("exp_avg", lambda state: None), ValueError, "'exp_avg'"),
     "no_step": (lambda osd: osd["state"][FIRST].pop("step"), KeyError, "'step'"),
+    "no_exp_avg": (lambda osd: osd["state"][FIRST].pop("exp_avg"), KeyError, "'exp_avg'"),
+    # A state AdamW does not keep is carried through, but one no parameter's shard can be cut from is not.
+    "wrong_shape_unknown_state": (_set("extra", lambda state: torch.zeros(3, 3)), ValueError, "shape"),
     "sgd_state_into_adamw": (lambda osd: osd["state"].__setitem__(
         FIRST, {"momentum_buffer": osd["state"][FIRST]["exp_avg"]}), KeyError, "momentum_buffer"),
     "not_a_dict": (lambda osd: osd.__setitem__("state", [osd["state"]]), ValueError, "state"),
@@ -253,7 +256,7 @@ def test_bad_optimizer_state_on_one_rank_raises_everywhere_and_loads_nowhere(cas
     diff.train(model, optim, 1)
 
 
-@pytest.mark.parametrize("case", ["zero_dim_exp_avg", "none_exp_avg", "no_step", "sgd_state_into_adamw"])
+@pytest.mark.parametrize("case", ["zero_dim_exp_avg", "none_exp_avg", "no_step", "no_exp_avg", "sgd_state_into_adamw"])
 @distributed_test(world_size=2, timeout=POOL_TIMEOUT)
 def test_state_the_optimizer_could_not_step_is_refused_naming_parameter_and_state(case):
     """Without the check, ``optim.load_state_dict`` or the next step fails after the state was
