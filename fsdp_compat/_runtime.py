@@ -200,6 +200,14 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
         _engine.register_param(item.slots, item.full)
 
 
+def check_idle_for_apply(unit: UnitState) -> None:
+    """``apply`` summons the unit itself: FSDP1's ``ValueError`` (its text) when it is not idle."""
+    if unit.training_state != TrainingState.IDLE:
+        raise ValueError(f"expected to be in states {[TrainingState.IDLE]} but current state is "
+                         f"{unit.training_state}: apply() gathers the full parameters itself, so call it "
+                         "outside summon_full_params()")
+
+
 @contextlib.contextmanager
 def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
                        rank0_only: bool = False, offload_to_cpu: bool = False,

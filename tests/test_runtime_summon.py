@@ -300,6 +300,49 @@ def test_combinations_fsdp1_rejects_raise_its_exception(case):
         assert not any(m.training_state.name == "SUMMON_FULL_PARAMS" for m in wrapper_class.fsdp_modules(model))
 
 
+# Misuse inside an open summon_full_params: (what is summoned, the call made inside it).
+MISUSE_INSIDE = {
+    "apply on the root, root summoned": ("root", lambda cls, model: model.apply(_shape_dependent_init)),
+    "apply on the root, block 0 summoned": ("block 0", lambda cls, model: model.apply(_shape_dependent_init)),
+    "apply on block 0, root summoned": ("root", lambda cls, model: model.blocks[0].apply(_shape_dependent_init)),
+    "summon the root again": ("root", lambda cls, model: cls.summon_full_params(model).__enter__()),
+    "summon the root, block 1 summoned": ("block 1", lambda cls, model: cls.summon_full_params(model).__enter__()),
+}
+
+
+def _misuse_inside_summon(wrapper_class, case: str) -> dict:
+    """The exception (type and message) of ``case``, and the losses of training afterwards."""
+    model = _build(wrapper_class)
+    diff.loss_fn(model, *diff.local_batch(0)).backward()  # FSDP1 cannot summon an inner unit before its lazy init
+    model.zero_grad(set_to_none=True)
+    summoned, call = MISUSE_INSIDE[case]
+    target = {"root": model, "block 0": model.blocks[0], "block 1": model.blocks[1]}[summoned]
+    error = None
+    with wrapper_class.summon_full_params(target):
+        try:
+            call(wrapper_class, model)
+        except Exception as raised:  # noqa: BLE001 - the type and text are what is compared
+            error = raised
+    return {"type": type(error).__name__, "message": str(error), "losses after": _train_losses(model)}
+
+
+@pytest.mark.parametrize("case", list(MISUSE_INSIDE))
+@distributed_test(world_size=2)
+def test_misuse_inside_summon_raises_fsdp1_exception_and_text(case):
+    """``apply`` inside ``summon_full_params`` raises FSDP1's ``ValueError`` ("expected to be in states
+    [<TrainingState.IDLE: 1>] ..."), summoning an already summoned unit its ``AssertionError``; the
+    model is left as it was (it then trains like the reference). Ours may explain after FSDP1's text."""
+    diff.quiet()
+    ours = _misuse_inside_summon(FSDP, case)
+    expected = diff.fsdp1_value(GOLDEN, diff.golden_key("misuse-inside", case), lambda: {
+        key: value for key, value in _misuse_inside_summon(diff.TorchFSDP, case).items() if key != "losses after"})
+    assert ours["type"] == expected["type"]
+    assert ours["message"].startswith(expected["message"]), (ours["message"], expected["message"])
+    reference = diff.make_model()
+    diff.assert_close_lists(ours["losses after"], diff.train(reference, diff.make_optimizer("sgd", reference.parameters()),
+                                                             2, sharded=False))
+
+
 def _summon_from_hook(wrapper_class, where: str) -> str:
     """What summoning from inside the forward or the backward raises."""
     model = _build(wrapper_class)
