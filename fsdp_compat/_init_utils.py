@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -64,37 +65,47 @@ def is_forwardless_container(module: nn.Module, ignored_params: set[nn.Parameter
 def resolve_ignored_states(module: nn.Module, ignored_modules: Iterable[nn.Module] | None,
                            ignored_states: Iterable[nn.Parameter | nn.Module] | None,
                            ) -> tuple[set[nn.Module], set[nn.Parameter]]:
-    """The ignored modules and the full set of ignored parameters, validated as FSDP1 does."""
+    """The ignored modules (with their submodules) and the full set of ignored parameters, by
+    FSDP1's rules: states outside ``module`` are accepted (they change nothing here; an auto-wrap
+    policy hands one ignore list to sibling units) and ignoring ``module`` itself ignores all of
+    its parameters, with FSDP1's warning."""
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError("Cannot pass both ignored_modules and ignored_states at the same time. "
                          "Please just pass ignored_states.")
     given = list(ignored_states if ignored_states is not None else ignored_modules or [])
-    if given and not (all(isinstance(s, nn.Parameter) for s in given)
-                      or all(isinstance(s, nn.Module) for s in given)):
-        raise ValueError("ignored_states expects all nn.Parameter or all nn.Module list elements but got "
-                         f"types {[type(s) for s in given]}")
-    inside_modules = set(module.modules())
-    inside_params = set(module.parameters())
+    _check_ignored_kinds(given, passed_as_ignored_states=ignored_states is not None)
     modules: set[nn.Module] = set()
     params: set[nn.Parameter] = set()
     for state in given:
         if isinstance(state, nn.Parameter):
-            if state not in inside_params:
-                raise ValueError("An ignored parameter is not a parameter of the wrapped module; "
-                                 "pass only parameters of the module being wrapped")
             params.add(state)
             continue
         if state_of(state) is not None:
-            raise ValueError("ignored_modules should not include FullyShardedDataParallel instances")
-        if state not in inside_modules:
-            raise ValueError(f"Ignored module {type(state).__name__} is not a submodule of the "
-                             "wrapped module; pass only submodules of the module being wrapped")
-        if state is module:
-            raise ValueError("The wrapped module itself cannot be ignored")
+            raise ValueError("`ignored_modules` should not include FSDP modules: pass the module it wraps, "
+                             "or leave the already wrapped submodule out of the ignored list")
         for sub in state.modules():
             modules.add(sub)
             params.update(sub.parameters(recurse=False))
+    if module in modules:
+        # FSDP1's text, naming the module its loop saw last (its last submodule).
+        *_, last = module.modules()
+        warnings.warn("Trying to ignore the top-level module passed into the FSDP constructor itself will "
+                      f"result in all parameters being ignored and is not well-supported: {last}", stacklevel=3)
     return modules, params
+
+
+def _check_ignored_kinds(given: list[Any], passed_as_ignored_states: bool) -> None:
+    """FSDP1's ``ValueError``s: ``ignored_states`` all parameters or all modules, ``ignored_modules`` all modules."""
+    if not given:
+        return
+    types = sorted({type(state) for state in given}, key=repr)  # sorted as FSDP1 does
+    if passed_as_ignored_states:
+        if not (all(isinstance(s, nn.Parameter) for s in given) or all(isinstance(s, nn.Module) for s in given)):
+            raise ValueError(f"ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+                             f"types {types}")
+    elif not all(isinstance(s, nn.Module) for s in given):
+        raise ValueError(f"ignored_modules expects nn.Module list elements but got types {types}; pass "
+                         "parameters to ignore as ignored_states=[...] instead")
 
 
 def unit_modules(root: nn.Module, ignored_modules: set[nn.Module], breadth_first: bool = False) -> list[nn.Module]:

@@ -227,8 +227,7 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, s
     ordered = _state_order(index, [param for param, key in index.key_of.items() if key in state_in])
     signature = [(index.fqn_of[param], list(state_in[index.key_of[param]])) for param in _held_alike(index, ordered)]
     if dist.is_initialized() and not same_on_all_ranks(signature, group):  # or the gathers would not pair up
-        raise RuntimeError("Ranks hold optimizer state for different parameters or state names; "
-                           "every rank must step the same optimizer over the same model")
+        raise RuntimeError(_divergent_state_message(index, signature, group))
     to_save = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
     state_out = _export_states(index, {param: state_in[index.key_of[param]] for param in ordered},
                                sharded=sharded, offload=offload, keep=to_save, dtensor=dtensor)
@@ -252,6 +251,33 @@ def _held_alike(index: _ParamIndex, params: list[nn.Parameter]) -> list[nn.Param
     every rank's names; parameters outside every unit (TorchRec's, ``ignored_states``) may differ by
     rank, each rank saving its own. FSDP1 ``use_orig_params=False`` requires rank 0's on every rank."""
     return params if index.flat_order else [param for param in params if param in index.unit_of]
+
+
+def _divergent_state_message(index: _ParamIndex, signature: list[tuple[str, list[str]]], group: Any) -> str:
+    """The same text on every rank (a failure path: one gather of every rank's signature): FSDP1's
+    where a rank lacks state that rank 0 has, naming the parameters as FSDP1's keys do (a
+    ``use_orig_params=False`` unit's names together, its FlatParameter's)."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, signature, group=group)
+    ours = "every rank must step the same optimizer over the same model"
+    missing = {rank: [fqn for fqn, _ in everyone[0] if fqn not in dict(theirs)] for rank, theirs in enumerate(everyone)}
+    if not any(missing.values()):
+        return f"Ranks hold optimizer state for different parameters or state names; {ours}"
+    message = ("FSDP currently requires each rank to have at least the optimizer states needed by rank 0's "
+               "optimizer but some ranks are missing some of those states")
+    for rank, names in missing.items():
+        if names:
+            keys = list(dict.fromkeys(_fsdp1_key(index, index.param_of_fqn[name]) for name in names))
+            message += f"\nRank {rank} is missing states for the parameters: {keys}"
+    return f"{message}\n({ours})"
+
+
+def _fsdp1_key(index: _ParamIndex, param: nn.Parameter) -> tuple[str, ...]:
+    """FSDP1's names for ``param``'s optimizer-state key: its unit's, in order, with ``use_orig_params=False``."""
+    unit = index.unit_of.get(param)
+    if not index.flat_order or unit is None:
+        return (index.fqn_of[param],)
+    return tuple(index.fqn_of[p] for p in index.in_flat_order(p for p, u in index.unit_of.items() if u == unit))
 
 
 def _named_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]:
@@ -288,6 +314,8 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any, load_directly: 
                        f"hold: {sorted(set(unknown))[:10]}; is it the state of another model?")
     if saved_groups is not None:  # FSDP1 converts the state alone, and returns no param_groups
         _validate_groups(saved_groups, index)
+    if index.flat_order:
+        _check_flat_scalar_states(state, index)
     _validate_states(state, index, optim, saved_groups)
 
 
@@ -306,6 +334,51 @@ def _validate_groups(saved_groups: list[Mapping[str, Any]], index: _ParamIndex) 
             raise ValueError(f"Parameter group {number} of the loaded state dict holds other "
                              f"parameters than the optimizer's group {number}; build the optimizer "
                              "with the same parameter groups as the one that was saved")
+
+
+def _check_flat_scalar_states(state: Mapping[str, Any], index: _ParamIndex) -> None:
+    """FSDP1's ``ValueError`` (and text) under ``use_orig_params=False``: a unit's parameters form one
+    FlatParameter there, with one value of each scalar state (Adam's ``step``), so those that have a
+    scalar state must agree on its value and dtype."""
+    units: dict[int, list[nn.Parameter]] = {}
+    for param, unit in index.unit_of.items():
+        units.setdefault(unit, []).append(param)
+    for params in units.values():
+        names = [index.fqn_of[param] for param in index.in_flat_order(params)]
+        states = [state[name] for name in names if isinstance(state.get(name), Mapping)]
+        for state_name in dict.fromkeys(key for param_state in states for key in param_state):
+            values = [param_state[state_name] for param_state in states if state_name in param_state]
+            if all(torch.is_tensor(value) and value.dim() == 0 for value in values):
+                tensors = [value.to_local() if isinstance(value, DTensor) else value for value in values]
+                numbers, dtypes = _distinct(t.item() for t in tensors), _distinct(t.dtype for t in tensors)
+                found = f"values {_as_set(numbers)} and dtypes {_as_set(dtypes)} for state {state_name} and "
+            elif not any(torch.is_tensor(value) for value in values):
+                numbers, dtypes = _distinct(values), []
+                found = f"values {_as_set(numbers)} for state {state_name} and  "  # FSDP1's two spaces
+            else:
+                continue  # tensors of the parameter's shape, or mixed kinds: checked per parameter
+            if len(numbers) > 1 or len(dtypes) > 1:
+                raise ValueError(
+                    "All unflattened parameters comprising a single flat parameter must have scalar state with "
+                    f"the same value and dtype but got {found}unflattened parameter names {names}. (With "
+                    "use_orig_params=False a unit's parameters share one FlatParameter in FSDP1, stepped "
+                    "together: give them one value, or load with use_orig_params=True.)")
+
+
+def _distinct(values: Iterable[Any]) -> list[Any]:
+    distinct: list[Any] = []
+    for value in values:
+        if not any(value == seen for seen in distinct):
+            distinct.append(value)
+    return distinct
+
+
+def _as_set(values: list[Any]) -> Any:
+    """``values`` printed as FSDP1 prints them: a set (a list when they cannot be hashed)."""
+    try:
+        return set(values)
+    except TypeError:
+        return values
 
 
 def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,

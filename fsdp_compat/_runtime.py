@@ -140,19 +140,24 @@ class _SummonedParam:
     slots: list[_engine.ParamSlot]        # where it is registered (several for a tied weight)
     registered: nn.Parameter              # what the slots held before (restored on exit)
     full: nn.Parameter | None = None      # what they hold inside; None where this rank keeps shards
+    keeps_grad_edits: bool = False        # NO_SHARD: gradient edits persist whatever ``writeback`` says
 
     def restore(self, writeback: bool, with_grads: bool) -> None:
-        """Write the (possibly edited or replaced) full parameter back, then restore the shards."""
-        if writeback and self.full is not None:
+        """Write the (possibly edited or replaced) full parameter back, then restore the shards.
+        Gradient edits persist with ``writeback`` and, as in FSDP1 (whose ``NO_SHARD`` gradients
+        inside are the unit's own), under ``NO_SHARD`` whatever ``writeback`` says."""
+        if self.full is not None:
             current = getattr(*self.slots[0])  # ``fn`` in ``apply`` may have assigned a new one
             # Only a plain tensor of the full shape can be written back. Every rank holds the same
             # full values and copies its own part into its shard: no communication.
             if (isinstance(current, torch.Tensor) and not isinstance(current, DTensor)
                     and current.shape == self.sharded.shape):
                 with torch.no_grad():
-                    self.sharded.to_local().copy_(shard_like(current, self.sharded).to_local())
+                    if writeback:
+                        self.sharded.to_local().copy_(shard_like(current, self.sharded).to_local())
                     grad = cast(DTensor | None, self.sharded.grad)
-                    if with_grads and current.grad is not None and grad is not None:
+                    if (with_grads and (writeback or self.keeps_grad_edits) and current.grad is not None
+                            and grad is not None):
                         grad.to_local().copy_(shard_like(current.grad, grad).to_local())
         _engine.register_param(self.slots, self.registered)
 
@@ -181,12 +186,14 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
     """Gather the unit's parameters (every rank takes part) in their own precision, as FSDP1 shows
     them (the engine's unshard gathers in ``param_dtype``, into its own buffers), and register the full
     ones; each is in ``summoned`` before it is replaced, so that a failure midway still restores it."""
+    # NO_SHARD: also under rank0_only, where the other ranks edit their (whole) gradients in place.
+    keeps_grad_edits = unit.sharding_strategy == ShardingStrategy.NO_SHARD
     items = []
     for engine_sharded, slots in _engine.unit_param_slots(unit.module):
         registered = getattr(*slots[0])
         # Normally the same object; the registered one wins if the user swapped in a new DTensor.
         items.append(_SummonedParam(registered if isinstance(registered, DTensor) else engine_sharded,
-                                    slots, registered))
+                                    slots, registered, keeps_grad_edits=keeps_grad_edits))
     summoned.extend(items)
     # One all-gather for the whole unit (per dtype), not one per parameter.
     values = gather_full_tensors([item.sharded for item in items], unit.compute_device)
@@ -198,6 +205,14 @@ def _summon_unit(unit: UnitState, keep_shards: bool, offload_to_cpu: bool,
         item.full = nn.Parameter(value, requires_grad=item.sharded.requires_grad)
         item.full.grad = grad_of.get(id(item))
         _engine.register_param(item.slots, item.full)
+
+
+def check_idle_for_apply(unit: UnitState) -> None:
+    """``apply`` summons the unit itself: FSDP1's ``ValueError`` (its text) when it is not idle."""
+    if unit.training_state != TrainingState.IDLE:
+        raise ValueError(f"expected to be in states {[TrainingState.IDLE]} but current state is "
+                         f"{unit.training_state}: apply() gathers the full parameters itself, so call it "
+                         "outside summon_full_params()")
 
 
 @contextlib.contextmanager

@@ -2,8 +2,10 @@
 
 Keys are FSDP1's: clean FQNs (no ``_fsdp_wrapped_module.``), in ``nn.Module.state_dict()`` order of
 the unwrapped model, buffers and ignored modules' states included, a tied weight under each name.
-Values are always copies, never views of engine or module memory, so that filling a returned dict
-(``torch.distributed.checkpoint.load``) cannot half-change the model.
+Values are copies, never views of engine or module memory, so that filling a returned dict
+(``torch.distributed.checkpoint.load``) cannot half-change the model; the one exception is FSDP1's:
+an ignored parameter is given as itself (detached, same storage), so loading into the dict in place
+changes that parameter.
 
 * FULL: plain full tensors (each unit gathered in one collective, in full precision).
   ``rank0_only``: other ranks get only ignored modules' parameters (as FSDP1).
@@ -206,6 +208,8 @@ def _entry_value(entry: Entry, state_dict_type: StateDictType, full: dict[int, t
     if sharded is None:
         if not isinstance(entry.value, torch.Tensor):
             return entry.value  # extra state
+        if entry.is_plain_param:  # FSDP1 hands out an ignored parameter itself (detached), never a copy
+            return entry.value if keep_vars else entry.value.detach()
         if state_dict_type != StateDictType.LOCAL_STATE_DICT and entry.key in restore_dtypes:
             # A buffer under mixed precision: live in buffer_dtype; the state dict has the original.
             return entry.value.detach().to(restore_dtypes[entry.key], copy=True)

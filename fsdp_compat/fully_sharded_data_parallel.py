@@ -252,7 +252,9 @@ class FullyShardedDataParallel(nn.Module):
         return [unit.wrapper for unit in units_in(module) if not root_only or unit.is_root]  # type: ignore[misc]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
-        """``nn.Module.apply`` on full parameters; edits are kept (written back to the shards)."""
+        """``nn.Module.apply`` on full parameters; edits are kept (written back to the shards).
+        As FSDP1, ``ValueError`` inside ``summon_full_params`` (this wrapper's, or a nested one's)."""
+        _runtime.check_idle_for_apply(self._unit)
         with _runtime.summon_full_params(self, recurse=False, writeback=True):
             nn.Module.apply(self, fn)  # nested wrappers are reached by its recursion, each summoning itself
         return self

@@ -231,6 +231,78 @@ def test_with_grads_shows_and_writes_back_full_gradients(strategy):
         diff.assert_close_dicts(after, their_after, rtol=1e-6, what="edited grads vs FSDP1")
 
 
+# How the gradients are summoned: writeback=True, writeback=False, or rank0_only (writeback=False).
+GRAD_SUMMONS = {"writeback": {}, "discard": {"writeback": False}, "rank0_only": {"writeback": False, "rank0_only": True}}
+
+
+def _double_grads_inside(wrapper_class, strategy: str, summon: str) -> dict[str, object]:
+    """After one backward: the gradients seen inside ``with_grads=True``, doubled there in place;
+    then the full gradients after, ``clip_grad_norm_``'s total norm and the parameters after an SGD step."""
+    model = _build(wrapper_class, strategy)
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    with wrapper_class.summon_full_params(model, with_grads=True, **GRAD_SUMMONS[summon]):
+        # Under rank0_only (NO_SHARD only here) the other ranks see their whole replicated gradients.
+        seen = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                for name, p in model.named_parameters()}
+        with torch.no_grad():
+            for param in model.parameters():
+                param.grad.mul_(2.0)
+    after = diff.full_gradients(model)
+    total = model.clip_grad_norm_(1e9).item()  # a bound no norm reaches: only the norm
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return {"seen": seen, "after": after, "total": total, "params": diff.full_parameters(model)}
+
+
+def _persisted(run: dict[str, object]) -> bool:
+    seen, after = run["seen"], run["after"]
+    return all(torch.allclose(after[name], 2 * seen[name], rtol=1e-6) for name in seen)  # type: ignore[index]
+
+
+@pytest.mark.parametrize("strategy,summon", [(strategy, summon) for strategy in FLAT for summon in
+                                             ("writeback", "discard")] + [("NO_SHARD", "rank0_only")])
+@distributed_test(world_size=2)
+def test_gradient_edits_inside_with_grads_persist_where_fsdp1_keeps_them(strategy, summon):
+    """FSDP1 keeps in-place gradient edits made inside ``summon_full_params(with_grads=True)`` with
+    ``writeback=True``, and under ``NO_SHARD`` whatever ``writeback`` says (its gradients inside are
+    the unit's own, on every rank also under ``rank0_only``); so do we, value by value: the
+    gradients, ``clip_grad_norm_``, an optimizer step."""
+    diff.quiet()
+    ours = _double_grads_inside(FSDP, strategy, summon)
+    assert _persisted(ours) == (summon == "writeback" or strategy == "NO_SHARD")
+    theirs: dict[str, object] = {}
+
+    def fsdp1() -> dict[str, object]:
+        theirs.update(_double_grads_inside(diff.TorchFSDP, strategy, summon))
+        return {"persisted": _persisted(theirs), "total": theirs["total"]}
+
+    expected = diff.fsdp1_value(GOLDEN, diff.golden_key("grad-edits", strategy, summon), fsdp1)
+    assert _persisted(ours) == expected["persisted"]
+    diff.assert_close_lists([ours["total"]], [expected["total"]], rtol=1e-6, what="clip_grad_norm_ vs FSDP1")
+    if theirs:
+        for what in ("after", "params"):
+            diff.assert_close_dicts(ours[what], theirs[what], rtol=1e-6, what=f"{what} vs FSDP1")
+
+
+def _assign_grads_inside(wrapper_class) -> bool:
+    """Whether gradients assigned (not edited in place) inside ``with_grads=True`` are kept."""
+    model = _build(wrapper_class)
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    with wrapper_class.summon_full_params(model, with_grads=True):
+        for param in model.parameters():
+            param.grad = torch.full_like(param, 0.25)
+    return all(torch.all(grad == 0.25) for grad in diff.full_gradients(model).values())
+
+
+@distributed_test(world_size=2)
+def test_gradients_assigned_inside_with_grads_are_kept_where_fsdp1_drops_them():
+    """A deliberate difference: ``writeback=True`` keeps a gradient the user assigned inside (as it
+    keeps an assigned parameter); FSDP1 silently restores its own gradient."""
+    diff.quiet()
+    assert _assign_grads_inside(FSDP)
+    if diff.HAVE_FSDP1:
+        assert not _assign_grads_inside(diff.TorchFSDP)
+
+
 # ---------------------------------------------------------------------------------------------
 # recurse=False, nesting, re-entry, misuse
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +370,49 @@ def test_combinations_fsdp1_rejects_raise_its_exception(case):
             with wrapper_class.summon_full_params(model, **summon_kwargs):
                 pass
         assert not any(m.training_state.name == "SUMMON_FULL_PARAMS" for m in wrapper_class.fsdp_modules(model))
+
+
+# Misuse inside an open summon_full_params: (what is summoned, the call made inside it).
+MISUSE_INSIDE = {
+    "apply on the root, root summoned": ("root", lambda cls, model: model.apply(_shape_dependent_init)),
+    "apply on the root, block 0 summoned": ("block 0", lambda cls, model: model.apply(_shape_dependent_init)),
+    "apply on block 0, root summoned": ("root", lambda cls, model: model.blocks[0].apply(_shape_dependent_init)),
+    "summon the root again": ("root", lambda cls, model: cls.summon_full_params(model).__enter__()),
+    "summon the root, block 1 summoned": ("block 1", lambda cls, model: cls.summon_full_params(model).__enter__()),
+}
+
+
+def _misuse_inside_summon(wrapper_class, case: str) -> dict:
+    """The exception (type and message) of ``case``, and the losses of training afterwards."""
+    model = _build(wrapper_class)
+    diff.loss_fn(model, *diff.local_batch(0)).backward()  # FSDP1 cannot summon an inner unit before its lazy init
+    model.zero_grad(set_to_none=True)
+    summoned, call = MISUSE_INSIDE[case]
+    target = {"root": model, "block 0": model.blocks[0], "block 1": model.blocks[1]}[summoned]
+    error = None
+    with wrapper_class.summon_full_params(target):
+        try:
+            call(wrapper_class, model)
+        except Exception as raised:  # noqa: BLE001 - the type and text are what is compared
+            error = raised
+    return {"type": type(error).__name__, "message": str(error), "losses after": _train_losses(model)}
+
+
+@pytest.mark.parametrize("case", list(MISUSE_INSIDE))
+@distributed_test(world_size=2)
+def test_misuse_inside_summon_raises_fsdp1_exception_and_text(case):
+    """``apply`` inside ``summon_full_params`` raises FSDP1's ``ValueError`` ("expected to be in states
+    [<TrainingState.IDLE: 1>] ..."), summoning an already summoned unit its ``AssertionError``; the
+    model is left as it was (it then trains like the reference). Ours may explain after FSDP1's text."""
+    diff.quiet()
+    ours = _misuse_inside_summon(FSDP, case)
+    expected = diff.fsdp1_value(GOLDEN, diff.golden_key("misuse-inside", case), lambda: {
+        key: value for key, value in _misuse_inside_summon(diff.TorchFSDP, case).items() if key != "losses after"})
+    assert ours["type"] == expected["type"]
+    assert ours["message"].startswith(expected["message"]), (ours["message"], expected["message"])
+    reference = diff.make_model()
+    diff.assert_close_lists(ours["losses after"], diff.train(reference, diff.make_optimizer("sgd", reference.parameters()),
+                                                             2, sharded=False))
 
 
 def _summon_from_hook(wrapper_class, where: str) -> str:

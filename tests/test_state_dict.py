@@ -273,6 +273,41 @@ def test_state_dict_values_are_copies():
         assert torch.equal(before[key], after[key]), key
 
 
+def _ignored_parameter_values(wrapper_class, state_dict_type, keep_vars: bool) -> dict[str, str]:
+    """How each ignored parameter's state-dict value relates to the live parameter: ``"itself"``,
+    ``"detached, same storage"`` or ``"copy"`` (``ln_f`` and ``blocks.1.mlp`` ignored)."""
+    model = diff.make_model()
+    kwargs = diff.fsdp1_kwargs() if wrapper_class is diff.TorchFSDP else {}
+    wrapped = wrapper_class(model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True,
+                            ignored_modules=[model.ln_f, model.blocks[1].mlp], **kwargs)
+    if wrapper_class is diff.TorchFSDP:
+        state_dict_type = getattr(diff.torch_fsdp.StateDictType, state_dict_type.name)
+    with wrapper_class.state_dict_type(wrapped, state_dict_type):
+        state = wrapped.state_dict(keep_vars=keep_vars)
+    kinds = {}
+    for name, param in model.named_parameters():
+        key = diff.clean_name(name)
+        if key.startswith(("ln_f.", "blocks.1.mlp.")):
+            value = state[key]
+            kinds[key] = ("itself" if value is param else "detached, same storage"
+                          if value.data_ptr() == param.data_ptr() and not value.requires_grad else "copy")
+    return kinds
+
+
+@pytest.mark.parametrize("keep_vars", [False, True])
+@pytest.mark.parametrize("state_dict_type", [FULL, SHARDED, LOCAL])
+@distributed_test(world_size=2)
+def test_ignored_parameters_are_given_as_themselves_like_fsdp1(state_dict_type, keep_vars):
+    """FSDP1 never copies an ignored parameter: the state dict holds the parameter itself (detached
+    unless ``keep_vars``), so loading into that dict in place changes the parameter."""
+    diff.quiet()
+    ours = _ignored_parameter_values(FSDP, state_dict_type, keep_vars)
+    expected = diff.fsdp1_value("state_dict_fsdp1", diff.golden_key("ignored-values", state_dict_type.name, keep_vars),
+                                lambda: _ignored_parameter_values(diff.TorchFSDP, state_dict_type, keep_vars))
+    assert ours == expected
+    assert set(ours.values()) == {"itself" if keep_vars else "detached, same storage"}
+
+
 # ---------------------------------------------------------------------------------------------
 # SHARDED and LOCAL
 # ---------------------------------------------------------------------------------------------

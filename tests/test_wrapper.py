@@ -290,6 +290,79 @@ def test_ignored_states_train_like_fsdp1(how):
         diff.assert_close_dicts(ours_params, theirs_params)
 
 
+def _fsdp1_classes() -> list[type]:
+    return [diff.TorchFSDP] if diff.HAVE_FSDP1 else []
+
+
+def _ignoring_the_wrapped_module(wrapper_class) -> dict:
+    """Wrap TinyGPT ignoring TinyGPT itself, with a block policy, and train it two steps."""
+    inner = diff.make_model()
+    kwargs = diff.fsdp1_kwargs() if wrapper_class is diff.TorchFSDP else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = wrapper_class(inner, ignored_modules=[inner], auto_wrap_policy=diff.block_policy_torch(),
+                              use_orig_params=True, **kwargs)
+    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                         and "top-level" in str(w.message)],
+            "units": len(wrapper_class.fsdp_modules(model)),
+            "every parameter whole": all(type(p) is nn.Parameter and p.shape == inner.get_parameter(
+                diff.clean_name(name)).shape for name, p in model.named_parameters()),
+            "losses": diff.train(model, diff.make_optimizer("sgd", model.parameters()), 2)}
+
+
+@distributed_test(world_size=2)
+def test_ignoring_the_wrapped_module_itself_warns_and_ignores_every_parameter_like_fsdp1():
+    """FSDP1 warns and goes on: nothing is sharded or wrapped, each rank trains its own replica."""
+    diff.quiet()
+    ours = _ignoring_the_wrapped_module(FSDP)
+    expected = diff.fsdp1_value("wrapper_names", diff.golden_key("ignore-wrapped-module"),
+                                lambda: _ignoring_the_wrapped_module(diff.TorchFSDP))
+    assert len(ours["warnings"]) == 1
+    assert ours["warnings"][0].startswith("Trying to ignore the top-level module passed into the FSDP "
+                                          "constructor itself will result in all parameters being ignored")
+    diff.assert_close_lists(ours.pop("losses"), expected.pop("losses"), what="losses vs FSDP1")
+    assert ours == expected
+    assert ours["units"] == 1 and ours["every parameter whole"]
+
+
+def _local_numel(model: nn.Module) -> int:
+    """Parameter elements held, summed over ranks: the model's numel when every parameter is
+    sharded (FSDP1's 1-D views, our DTensors), more where some are kept whole on every rank."""
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    total = torch.tensor(held)
+    dist.all_reduce(total)
+    return int(total)
+
+
+def _ignoring_states_outside(wrapper_class, how: str) -> dict:
+    """TinyGPT wrapped with ignored states that lie outside the module (some of) its wrappers wrap."""
+    inner, outsider = diff.make_model(), nn.Linear(3, 2)
+    kwargs = diff.fsdp1_kwargs() if wrapper_class is diff.TorchFSDP else {}
+    if how == "same list for sibling units":  # manual wrapping, one ignore list for every unit
+        ignored = [block.mlp for block in inner.blocks]
+        for index, block in enumerate(inner.blocks):
+            inner.blocks[index] = wrapper_class(block, ignored_modules=ignored, use_orig_params=True, **kwargs)
+        model = wrapper_class(inner, ignored_modules=ignored, use_orig_params=True, **kwargs)
+    else:
+        ignored_states = {"module": [outsider], "parameter": [outsider.weight]}[how]
+        model = wrapper_class(inner, ignored_states=ignored_states, auto_wrap_policy=diff.block_policy_torch(),
+                              use_orig_params=True, **kwargs)
+    return {"parameter elements held": _local_numel(model), "outsider whole": type(outsider.weight) is nn.Parameter,
+            "losses": diff.train(model, diff.make_optimizer("sgd", model.parameters()), 2)}
+
+
+@pytest.mark.parametrize("how", ["module", "parameter", "same list for sibling units"])
+@distributed_test(world_size=2)
+def test_ignored_states_outside_the_wrapped_module_are_accepted_like_fsdp1(how):
+    """FSDP1 accepts them and they change nothing: the module's other parameters are sharded as usual."""
+    diff.quiet()
+    ours = _ignoring_states_outside(FSDP, how)
+    expected = diff.fsdp1_value("wrapper_names", diff.golden_key("ignore-outside", how),
+                                lambda: _ignoring_states_outside(diff.TorchFSDP, how))
+    diff.assert_close_lists(ours.pop("losses"), expected.pop("losses"), what="losses vs FSDP1")
+    assert ours == expected
+
+
 @distributed_test(world_size=2)
 def test_device_id_cpu_and_device_placement():
     if diff.device().type != "cpu":
@@ -398,15 +471,20 @@ def test_bad_arguments_raise_fsdp1_exception_type(case):
             call(diff.TorchFSDP, diff.fsdp1_kwargs())
 
 
-@pytest.mark.parametrize("case", ["unknown strategy", "ignored module outside", "ignored parameter outside"])
 @distributed_test(world_size=1)
-def test_bad_arguments_fsdp1_accepts_silently_raise_value_error(case):
-    model = nn.Sequential(nn.Linear(4, 4))
-    outsider = nn.Linear(2, 2)
+def test_unknown_strategy_fsdp1_accepts_silently_raises_value_error():
     with pytest.raises(ValueError, match="must|not"):
-        if case == "unknown strategy":
-            FSDP(model, sharding_strategy="FULL_SHARD")
-        elif case == "ignored module outside":
-            FSDP(model, ignored_modules=[outsider])
-        else:
-            FSDP(model, ignored_states=[outsider.weight])
+        FSDP(nn.Sequential(nn.Linear(4, 4)), sharding_strategy="FULL_SHARD")
+
+
+@distributed_test(world_size=2)
+def test_parameters_passed_as_ignored_modules_raise_fsdp1_value_error():
+    """FSDP1 takes parameters only as ``ignored_states``; its text is what callers match on."""
+    diff.quiet()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for wrapper_class, kwargs in [(FSDP, {}), *[(cls, diff.fsdp1_kwargs()) for cls in _fsdp1_classes()]]:
+        with pytest.raises(ValueError, match=r"^ignored_modules expects nn\.Module list elements but got types "
+                                             r"\[<class 'torch\.nn\.parameter\.Parameter'>\]"):
+            wrapper_class(model, ignored_modules=[model[0].weight], **kwargs)
+    assert all(type(p) is nn.Parameter and torch.equal(p, before[n]) for n, p in model.named_parameters())
