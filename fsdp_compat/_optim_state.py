@@ -267,7 +267,8 @@ def _divergent_state_message(index: _ParamIndex, signature: list[tuple[str, list
                "optimizer but some ranks are missing some of those states")
     for rank, names in missing.items():
         if names:
-            keys = list(dict.fromkeys(_fsdp1_key(index, index.param_of_fqn[name]) for name in names))
+            keys = list(dict.fromkeys(_fsdp1_key(index, index.param_of_fqn[name]) if name in index.param_of_fqn
+                                      else (name,) for name in names))  # rank 0's own name (TorchRec)
             message += f"\nRank {rank} is missing states for the parameters: {keys}"
     return f"{message}\n({ours})"
 
