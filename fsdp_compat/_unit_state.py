@@ -34,6 +34,7 @@ class UnitState:
     forward_prefetch: bool
     limit_all_gathers: bool
     use_orig_params: bool  # decides only FSDP1 checkpoint layouts: parameters are always the originals
+    dtensor_params: bool  # the engine's DTensor parameters shown, not FSDP1's plain local views (_engine_flat)
     sync_module_states: bool
     ignored_modules: set[nn.Module]
     ignored_params: set[nn.Parameter]

@@ -1,0 +1,244 @@
+"""FSDP1's parameter model (``dtensor_params=False``): outside forward and backward every parameter is a
+plain 1-D tensor holding this rank's shard, and its ``.grad`` a plain 1-D local gradient, as in FSDP1.
+
+Code written for FSDP1 does its own distributed arithmetic on these tensors (OLMo's clipping, hand-written
+optimizers, ``num_params()``); the oracle is torch FSDP1 running the same code (golden values in
+``tests/golden/local_shard_params.json`` once torch drops it), and the engine's DTensor parameters
+(``dtensor_params=True``) training bit-identically.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_compat import FullyShardedDataParallel as FSDP
+from fsdp_compat.testing import distributed_test
+from tests import differential as diff
+
+GOLDEN = "local_shard_params"
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP"]
+STEPS = 3
+LR = 0.05
+
+
+def _wrap(strategy: str, fsdp1: bool = False, **kwargs) -> nn.Module:
+    """The test model, auto-wrapped per block, ``use_orig_params=True``; ours unless ``fsdp1``."""
+    model = diff.make_model(0)
+    if fsdp1:
+        return diff.TorchFSDP(model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True,
+                              sharding_strategy=getattr(diff.torch_fsdp.ShardingStrategy, strategy),
+                              **diff.fsdp1_kwargs())
+    kwargs.setdefault("dtensor_params", False)
+    return FSDP(model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True,
+                sharding_strategy=getattr(diff.torch_fsdp.ShardingStrategy, strategy), **kwargs)
+
+
+def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    with FSDP.summon_full_params(model):
+        return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def _olmo_grad_norm(model: nn.Module) -> float:
+    """OLMo's clipping norm: local squared norms of the gradient shards, summed over ranks."""
+    total = torch.zeros((), dtype=torch.float32)
+    for param in model.parameters():
+        if param.grad is not None:
+            total += torch.linalg.vector_norm(param.grad, 2.0, dtype=torch.float32) ** 2
+    dist.all_reduce(total)
+    return total.sqrt().item()
+
+
+def _sgd_by_hand(model: nn.Module, accumulate: str = "none") -> list[float]:
+    """Plain-tensor SGD on ``p.data`` / ``p.grad`` (no torch optimizer), ``p.grad = None`` to zero;
+    ``accumulate``: two micro-batches per step, the first under ``no_sync`` or not."""
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = diff.local_batch(step)
+        if accumulate == "none":
+            loss = diff.loss_fn(model, tokens, targets)
+            loss.backward()
+        else:
+            half = tokens.size(0) // 2
+            context = model.no_sync() if accumulate == "no_sync" else torch.enable_grad()
+            with context:
+                (diff.loss_fn(model, tokens[:half], targets[:half]) / 2).backward()
+            loss = diff.loss_fn(model, tokens[half:], targets[half:]) / 2
+            loss.backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.data.add_(param.grad, alpha=-LR)
+                param.grad = None
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / dist.get_world_size())
+    return losses
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_parameters_are_plain_local_shards_whose_numels_sum_to_the_model_size(strategy):
+    diff.quiet()
+    model = _wrap(strategy)
+    params = list(model.parameters())
+    assert not any(isinstance(param, DTensor) for param in params)
+    assert all(param.dim() == 1 for param in params)
+    local = torch.tensor(sum(param.numel() for param in params))
+    dist.all_reduce(local)
+    assert local.item() == sum(param.numel() for param in diff.make_model(0).parameters())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_gradients_are_plain_local_shards_after_backward(strategy):
+    diff.quiet()
+    model = _wrap(strategy)
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert not isinstance(param.grad, DTensor), name
+        assert param.grad.shape == param.shape, name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_olmo_style_clipping_norm_equals_fsdp1_clip_grad_norm(strategy):
+    diff.quiet()
+    model = _wrap(strategy)
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    ours = _olmo_grad_norm(model)
+
+    def fsdp1() -> list[float]:
+        theirs = _wrap(strategy, fsdp1=True)
+        diff.loss_fn(theirs, *diff.local_batch(0)).backward()
+        return [theirs.clip_grad_norm_(1e9).item()]
+
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("olmo-norm", strategy), [ours], fsdp1, rtol=1e-5)
+    assert model.clip_grad_norm_(1e9).item() == pytest.approx(ours, rel=1e-6)
+
+
+@distributed_test(world_size=2)
+def test_clip_grad_norm_scales_the_plain_gradients():
+    diff.quiet()
+    model = _wrap("FULL_SHARD")
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    total = model.clip_grad_norm_(0.5).item()
+    assert total > 0.5
+    assert _olmo_grad_norm(model) == pytest.approx(0.5, rel=1e-4)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_hand_written_sgd_on_data_and_grad_trains_like_fsdp1(strategy):
+    diff.quiet()
+    ours = _sgd_by_hand(_wrap(strategy))
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("sgd-by-hand", strategy), ours,
+                             lambda: _sgd_by_hand(_wrap(strategy, fsdp1=True)))
+
+
+@pytest.mark.parametrize("accumulate", ["no_sync", "synced"])
+@distributed_test(world_size=2)
+def test_gradient_accumulation_trains_like_fsdp1(accumulate):
+    diff.quiet()
+    ours = _sgd_by_hand(_wrap("FULL_SHARD"), accumulate)
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("accumulate", accumulate), ours,
+                             lambda: _sgd_by_hand(_wrap("FULL_SHARD", fsdp1=True), accumulate))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@distributed_test(world_size=2)
+def test_optimizer_zero_grad_both_forms_train_like_fsdp1(set_to_none):
+    diff.quiet()
+
+    def train(model: nn.Module) -> list[float]:
+        optimizer = diff.make_optimizer("sgd", model.parameters())
+        losses = []
+        for step in range(STEPS):
+            loss = diff.loss_fn(model, *diff.local_batch(step))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+            # (FSDP1 leaves .grad None where this rank holds no element of the parameter.)
+            assert all((param.grad is None) == set_to_none for param in model.parameters() if param.numel())
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(value.item() / dist.get_world_size())
+        return losses
+
+    ours = train(_wrap("FULL_SHARD"))
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("zero-grad", set_to_none), ours,
+                             lambda: train(_wrap("FULL_SHARD", fsdp1=True)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_plain_views_train_bit_identically_to_dtensor_parameters(strategy):
+    diff.quiet()
+    results = []
+    for dtensor_params in (True, False):
+        model = _wrap(strategy, dtensor_params=dtensor_params)
+        losses = diff.train(model, diff.make_optimizer("adamw", model.parameters()), STEPS)
+        results.append((losses, _full_parameters(model)))
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(value, results[1][1][name]), name
+
+
+@distributed_test(world_size=2)
+def test_in_place_edits_on_views_reach_the_engine():
+    diff.quiet()
+    model = _wrap("FULL_SHARD")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(0.5)
+    with FSDP.summon_full_params(model):
+        assert all(torch.all(param == 0.5) for param in model.parameters())
+
+
+@distributed_test(world_size=2)
+def test_replaced_data_is_written_back_to_the_engine():
+    diff.quiet()
+    model = _wrap("FULL_SHARD")
+    for param in model.parameters():
+        param.data = torch.full_like(param.data, 0.25)
+    with FSDP.summon_full_params(model):
+        assert all(torch.all(param == 0.25) for param in model.parameters())
+    assert all(torch.all(param == 0.25) for param in model.parameters())
+
+
+@distributed_test(world_size=2)
+def test_assigned_gradients_reach_the_engine():
+    diff.quiet()
+    model = _wrap("FULL_SHARD")
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    local = sum(param.numel() for param in model.parameters())
+    total = torch.tensor(float(local))
+    dist.all_reduce(total)
+    assert model.clip_grad_norm_(1e9).item() == pytest.approx(total.sqrt().item(), rel=1e-6)
+
+
+@distributed_test(world_size=2)
+def test_views_keep_their_identity_and_follow_a_dtype_change():
+    diff.quiet()
+    model = _wrap("FULL_SHARD")
+    before = list(model.parameters())
+    model.double()
+    after = list(model.parameters())
+    assert all(a is b for a, b in zip(before, after))
+    assert all(param.dtype == torch.float64 for param in after)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    tokens, targets = diff.local_batch(0)
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
+    assert all(param.grad is not None and param.grad.dtype == torch.float64 for param in after)
+    optimizer.step()
+    with torch.no_grad():
+        for param in after:
+            param.fill_(1.0)
+    with FSDP.summon_full_params(model):
+        assert all(torch.all(param == 1.0) for param in model.parameters())
