@@ -95,6 +95,7 @@ class LocalShards:
         self.flats: list[torch.Tensor] = []
         self.grad_flats: list[torch.Tensor | None] = []
         self.pieces: list[_Piece] = []
+        self.flat_params: list[nn.Parameter] = []
         self._build()
         for piece in self.pieces:
             self._intercept(piece)
@@ -133,6 +134,10 @@ class LocalShards:
         self.pieces = sorted(pieces, key=lambda piece: order[id(piece.fsdp_param)])
         for piece in self.pieces:
             self._repoint(piece)
+        if len(self.flat_params) != len(self.flats):
+            self.flat_params = []
+        for param, flat in zip(self.flat_params, self.flats):  # same objects over the new buffers
+            param.data = flat
 
     def _repoint(self, piece: _Piece) -> None:
         fsdp_param = piece.fsdp_param
@@ -214,6 +219,7 @@ class LocalShards:
     def writeback(self) -> None:
         """What the user changed on a view (``.data`` replaced, ``.grad`` replaced or ``None``,
         ``requires_grad``) reaches the engine."""
+        self.absorb_flat_writes()
         for piece in self.pieces:
             view, sharded = piece.view, piece.fsdp_param.sharded_param
             target = cast(torch.Tensor, piece.data)[:piece.numel]
@@ -263,6 +269,34 @@ class LocalShards:
             start = _shard_rank(fsdp_param) * piece.padded_numel  # rank r holds the r-th padded chunk
             infos.append(ShardParamInfo(True, piece.offset, piece.numel, start, start + piece.numel - 1))
         return infos
+
+    def flat_parameters(self) -> list[nn.Parameter]:
+        """One plain ``nn.Parameter`` per dtype buffer, the buffer itself (FSDP1's ``FlatParameter``):
+        writes reach the engine; its ``.grad`` is the flat local gradient after backward."""
+        self.follow()
+        self.writeback()
+        if len(self.flat_params) != len(self.flats):
+            self.flat_params = [nn.Parameter(flat, requires_grad=False) for flat in self.flats]
+        for index, (param, flat) in enumerate(zip(self.flat_params, self.flats)):
+            if param.data_ptr() != flat.data_ptr() or param.dtype != flat.dtype or param.shape != flat.shape:
+                param.data = flat
+            members = [piece for piece in self.pieces if piece.buffer == index]
+            param.requires_grad_(any(piece.view.requires_grad for piece in members))
+            with_grad = [piece for piece in members if piece.view.grad is not None]
+            param.grad = self.grad_flats[index] if with_grad else None
+        return self.flat_params
+
+    def absorb_flat_writes(self) -> None:
+        """A flat parameter whose ``.data`` was replaced (same size): its values written to the engine."""
+        for param, flat in zip(self.flat_params, self.flats):
+            if param.data_ptr() != flat.data_ptr() and param.shape == flat.shape:
+                with torch.no_grad():
+                    flat.copy_(param.detach())
+                param.data = flat
+
+    def buffer_of(self) -> list[int]:
+        """Each parameter's dtype buffer (index into :meth:`flat_parameters`), in the engine's order."""
+        return [piece.buffer for piece in self.pieces]
 
     def views(self) -> list[nn.Parameter]:
         return [piece.view for piece in self.pieces]

@@ -252,7 +252,9 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
     # FSDP1's private flat-parameter names, which third-party code (accelerate) reads: views of
     # this unit's own sharded parameters, honouring the dtype upcast clients write (``_flat_param_view``).
     _has_params = property(lambda self: _flat_param_view.has_params(self._unit))
-    _flat_param = _handle = property(lambda self: _flat_param_view.flat_param(self._unit))
+    _flat_param = property(lambda self: _flat_param_view.flat_param(self._unit))
+    _handle = property(lambda self: _flat_param_view.handle(self._unit))
+    params = property(lambda self: _flat_param_view.params(self._unit))
 
     def check_is_root(self) -> bool:
         """Whether this instance is a root (no enclosing ``FullyShardedDataParallel``)."""

@@ -242,3 +242,56 @@ def test_views_keep_their_identity_and_follow_a_dtype_change():
             param.fill_(1.0)
     with FSDP.summon_full_params(model):
         assert all(torch.all(param == 1.0) for param in model.parameters())
+
+
+def _olmo_restore(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """OLMo's checkpointer: each unit's flat parameters filled from a full state dict through
+    ``_fqns`` / ``_shard_param_infos``."""
+    paths = {id(sub): name for name, sub in model.named_modules()}
+    with torch.no_grad():
+        for unit in FSDP.fsdp_modules(model):
+            prefix = ".".join(part for part in paths[id(unit)].split(".") if part and part != "_fsdp_wrapped_module")
+            for flat in unit.params:
+                for fqn, info in zip(flat._fqns, flat._shard_param_infos):
+                    if not info.in_shard:
+                        continue
+                    key = f"{prefix}.{fqn}" if prefix else fqn
+                    flat[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(
+                        full[key].flatten()[info.intra_param_start_idx:info.intra_param_end_idx + 1])
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_restoring_a_full_state_dict_through_shard_param_infos_loads_every_parameter(strategy, use_orig_params):
+    diff.quiet()
+    model = FSDP(diff.make_model(0), auto_wrap_policy=diff.block_policy_torch(), use_orig_params=use_orig_params,
+                 sharding_strategy=getattr(diff.torch_fsdp.ShardingStrategy, strategy), dtensor_params=False)
+    source = diff.make_model(1)
+    full = {name: param.detach() for name, param in source.named_parameters()}
+    _olmo_restore(model, full)
+    restored = _full_parameters(model)
+    expected = {name: param.detach().cpu() for name, param in source.named_parameters()}
+    assert {diff.clean_name(name) for name in restored} == set(expected)
+    for name, value in restored.items():
+        assert torch.equal(value, expected[diff.clean_name(name)]), name
+
+
+@distributed_test(world_size=2)
+def test_flat_parameter_is_the_unit_flat_shard_and_its_grad_the_flat_gradient():
+    diff.quiet()
+    model = _wrap("FULL_SHARD")
+    unit = FSDP.fsdp_modules(model)[1]
+    flat = unit._flat_param
+    assert flat is unit._handle.flat_param and flat is unit.params[0]
+    assert flat._is_flat_param and not isinstance(flat, DTensor) and flat.dim() == 1
+    assert sum(info.numel_in_shard or 0 for info in flat._shard_param_infos) == sum(
+        param.numel() for param in flat._params)
+    assert len(flat._fqns) == len(flat._numels) == len(flat._shapes) == len(flat._params)
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    flat = unit._flat_param
+    for param, info in zip(flat._params, flat._shard_param_infos):
+        if info.in_shard:
+            start = info.offset_in_shard
+            assert torch.equal(flat.grad[start:start + info.numel_in_shard], param.grad)
+            assert torch.equal(flat[start:start + info.numel_in_shard], param)
