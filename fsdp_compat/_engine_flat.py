@@ -37,10 +37,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _engine
 
 _ATTR = "_fsdp_compat_local_shards"  # on the engine's FSDPState: its unit's LocalShards
+# view -> the engine's sharded DTensor it shows (weak on the view: the entry goes with it).
+_sharded_of_view: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _constructing = 0  # wrappers being built: until the outermost is, the engine's DTensors stay registered
 
 ENGINE_NAMES = {
@@ -147,16 +150,33 @@ class LocalShards:
         local = data.view(fsdp_param.padded_sharded_param_size).narrow(0, 0, rows)
         cast(Any, fsdp_param.sharded_param)._local_tensor = local
         piece.data, piece.sharded, piece.local = data, fsdp_param.sharded_param, local
+        _sharded_of_view[piece.view] = fsdp_param.sharded_param
         target = data[:piece.numel]
         if piece.view.data_ptr() != target.data_ptr() or piece.view.dtype != target.dtype or piece.numel == 0:
             piece.view.data = target
         piece.view.requires_grad_(fsdp_param.sharded_param.requires_grad)
+        if getattr(fsdp_param.sharded_param, "grad_dtype", "absent") is None:  # keep_low_precision_grads
+            piece.view.grad_dtype = None
 
-    def _grad_slice(self, piece: _Piece) -> torch.Tensor:
+    def _grad_slice(self, piece: _Piece, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``piece``'s slice of its flat gradient, in ``dtype`` (default: the buffer's, else the parameter's:
+        ``keep_low_precision_grads`` keeps gradients in another dtype than the parameters)."""
         flat = self.grad_flats[piece.buffer]
-        if flat is None:
-            flat = self.grad_flats[piece.buffer] = torch.zeros_like(self.flats[piece.buffer])
+        if flat is None or (dtype is not None and flat.dtype != dtype):
+            flat = self._new_grad_flat(piece.buffer, dtype or self.flats[piece.buffer].dtype)
         return flat[piece.offset:piece.offset + piece.numel]
+
+    def _new_grad_flat(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate buffer ``buffer``'s flat gradient in ``dtype``, the gradients already there carried over."""
+        old = self.grad_flats[buffer]
+        flat = self.grad_flats[buffer] = torch.zeros_like(self.flats[buffer], dtype=dtype)
+        if old is not None:
+            flat.copy_(old)
+            for piece in self.pieces:
+                if piece.buffer == buffer and piece.view.grad is not None:
+                    self._set_engine_grad(piece, flat[piece.offset:piece.offset + piece.numel])
+                    piece.view.grad = flat[piece.offset:piece.offset + piece.numel]
+        return flat
 
     def follow(self) -> None:
         """Rebuild when the engine re-allocated a parameter's storage (views keep their identity)."""
@@ -166,9 +186,9 @@ class LocalShards:
             self._build()
             for piece, grad in grads:
                 piece.view.grad = None
-                if grad is not None and grad.dtype == piece.view.dtype:
+                if grad is not None:
                     self._set_engine_grad(piece, _local(grad))
-                    piece.view.grad = self._grad_slice(piece)
+                    piece.view.grad = self._grad_slice(piece, grad.dtype)
                 else:
                     piece.fsdp_param.sharded_param.grad = None
 
@@ -208,8 +228,8 @@ class LocalShards:
 
     def _set_engine_grad(self, piece: _Piece, values: torch.Tensor) -> None:
         """The engine's sharded gradient becomes (a DTensor over) ``piece``'s gradient slice holding ``values``."""
-        target = self._grad_slice(piece)
-        if values.data_ptr() != target.data_ptr() or values.dtype != target.dtype or piece.numel == 0:
+        target = self._grad_slice(piece, values.dtype)
+        if values.data_ptr() != target.data_ptr() or piece.numel == 0:
             with torch.no_grad():
                 target.copy_(values.reshape(-1))
         fsdp_param = piece.fsdp_param
@@ -240,7 +260,7 @@ class LocalShards:
             if (engine_grad is None or grad.data_ptr() != _local(engine_grad).data_ptr()
                     or piece.numel == 0):
                 self._set_engine_grad(piece, grad)
-                view.grad = self._grad_slice(piece)
+                view.grad = self._grad_slice(piece, grad.dtype)
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -250,7 +270,7 @@ class LocalShards:
             if grad is None:
                 piece.view.grad = None
                 continue
-            target = self._grad_slice(piece)
+            target = self._grad_slice(piece, grad.dtype)
             if _local(grad).data_ptr() != target.data_ptr() or piece.numel == 0:
                 self._set_engine_grad(piece, _local(grad))
             if piece.view.grad is None or piece.view.grad.data_ptr() != target.data_ptr() or piece.numel == 0:
@@ -403,3 +423,37 @@ class EngineParamsOnApply(nn.Module):
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with engine_params(self.modules()):
             return super()._apply(fn, *args, **kwargs)
+
+
+# ---- optimizer state: plain 1-D local tensors outside, the engine's DTensor layout inside ----
+
+
+def views_to_sharded(modules: Iterable[nn.Module]) -> dict[int, tuple[nn.Parameter, DTensor]]:
+    """id(view) -> (view, the engine's sharded DTensor it shows), over the units ``modules``."""
+    found: dict[int, tuple[nn.Parameter, DTensor]] = {}
+    for module in modules:
+        if (shards := local_shards(module)) is not None:
+            found.update((id(piece.view), (piece.view, cast(DTensor, piece.fsdp_param.sharded_param)))
+                         for piece in shards.pieces)
+    return found
+
+
+def sharded_of_view(param: nn.Parameter) -> DTensor | None:
+    """The engine's sharded DTensor a plain local-shard view shows, or ``None`` for other parameters."""
+    return cast(DTensor | None, _sharded_of_view.get(param))
+
+
+def as_engine_value(value: Any, view: nn.Parameter, sharded: DTensor) -> Any:
+    """A view's per-element optimizer state (1-D, the view's shape) as a DTensor in ``sharded``'s layout
+    (no copy); anything else (``step``, non-tensors) as it is."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0 \
+            or value.shape != view.shape:
+        return value
+    return _engine.dtensor_like(value.reshape(_local(sharded).shape), sharded)
+
+
+def as_plain_value(value: Any) -> Any:
+    """A per-element DTensor optimizer state as the plain 1-D local tensor a view's state is (no copy)."""
+    if isinstance(value, DTensor) and value.dim() > 0:
+        return _local(value).reshape(-1)
+    return value

@@ -11,11 +11,12 @@ Key order, ``param_groups`` and scalar state (Adam's ``step``) follow FSDP1's ou
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _engine, _orig_params, _state_dict
+from . import _engine, _engine_flat, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._tensor_layout import (GatherBuffer, TensorSpec, broadcast_tensor, copy_to, full_tensors, is_replicated_only,
@@ -206,8 +207,9 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
             for param, state in states.items()}
 
 
-def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool, rank0_only: bool = False,
-            offload: bool = True, group: Any = None, optim_input: OptimInput = None) -> dict[str, Any]:
+def _export_engine(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool,
+                   rank0_only: bool = False, offload: bool = True, group: Any = None,
+                   optim_input: OptimInput = None) -> dict[str, Any]:
     """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED. Every rank
     must call (gathers); with ``rank0_only`` other ranks get ``{}``."""
     _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
@@ -359,8 +361,8 @@ def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, 
     return (osd if is_rank0 else skeleton), received
 
 
-def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
-            rank0_only: bool = False, group: Any = None, named_keys: bool = False) -> dict[str, Any]:
+def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
+                   rank0_only: bool = False, group: Any = None, named_keys: bool = False) -> dict[str, Any]:
     """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as ``optim.load_state_dict``
     takes it, as new memory. Every rank validates what it reads (only rank 0 under ``rank0_only``)
     and all agree on the outcome before anything is converted: all raise, or none."""
@@ -387,6 +389,95 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
     param_groups = [{**_hyper_parameters(saved), "params": sorted(index.key_of[param] for param in current)}
                     for saved, current in zip(osd["param_groups"], index.groups)]  # FSDP1 sorts ``params``
     return {"state": state, "param_groups": param_groups}
+
+
+@contextlib.contextmanager
+def _in_engine_layout(model: nn.Module, optim: Any) -> Iterator[dict[int, tuple[nn.Parameter, Any]]]:
+    """With FSDP1's plain local-shard parameters (``dtensor_params=False``): for the duration, ``model``
+    shows the engine's DTensor parameters and ``optim`` holds them, with its per-element state as DTensors
+    over the same memory, so the state-dict family below works in the one layout it knows. Yields the
+    views' map (empty with DTensor parameters: nothing changes)."""
+    views = _engine_flat.views_to_sharded(model.modules())
+    if not views:
+        yield views
+        return
+    if isinstance(optim, torch.optim.Optimizer):
+        _orig_params.rebind_optimizer(optim)  # built before wrapping: first on the views
+    with _engine_flat.engine_params(model.modules()):
+        if not isinstance(optim, torch.optim.Optimizer):
+            yield views
+            return
+        saved_groups = [list(group["params"]) for group in optim.param_groups]
+        saved_state = dict(optim.state)
+        for group in optim.param_groups:
+            group["params"] = [views[id(p)][1] if id(p) in views else p for p in group["params"]]
+        optim.state.clear()
+        for param, state in saved_state.items():
+            if id(param) in views:
+                view, sharded = views[id(param)]
+                optim.state[sharded] = {name: _engine_flat.as_engine_value(value, view, sharded)
+                                        for name, value in state.items()}
+            else:
+                optim.state[param] = state
+        try:
+            yield views
+        finally:
+            for group, params in zip(optim.param_groups, saved_groups):
+                group["params"] = params
+            optim.state.clear()
+            optim.state.update(saved_state)
+
+
+def _engine_source(source: Mapping[str, Any], views: dict[int, tuple[nn.Parameter, Any]],
+                   params_before: list[nn.Parameter]) -> Mapping[str, Any]:
+    """A user-taken ``optim.state_dict()`` (plain values, keyed by position) with DTensor state values."""
+    state = {}
+    for key, param_state in source["state"].items():
+        param = params_before[key] if isinstance(key, int) and key < len(params_before) else None
+        if param is not None and id(param) in views:
+            view, sharded = views[id(param)]
+            param_state = {name: _engine_flat.as_engine_value(value, view, sharded)
+                           for name, value in param_state.items()}
+        state[key] = param_state
+    return {**source, "state": state}
+
+
+def _engine_input(optim_input: OptimInput, views: dict[int, tuple[nn.Parameter, Any]]) -> OptimInput:
+    """``optim_input`` (parameters or parameter groups) with each view replaced by its DTensor."""
+    if optim_input is None or not views:
+        return optim_input
+
+    def engine(params: Iterable[Any]) -> list[Any]:
+        return [views[id(p)][1] if id(p) in views else p for p in params]
+
+    given: list[Any] = list(optim_input)
+    if given and isinstance(given[0], dict):
+        return [{**group, "params": engine(group["params"])} for group in given]
+    return engine(given)
+
+
+def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_export_engine` over the engine's layout (plain local-shard views translated)."""
+    params_before = [p for group in getattr(optim, "param_groups", []) for p in group["params"]]
+    with _in_engine_layout(model, optim) as views:
+        if views and source is not None:
+            source = _engine_source(source, views, params_before)
+        if "optim_input" in kwargs:
+            kwargs["optim_input"] = _engine_input(kwargs["optim_input"], views)
+        return _export_engine(model, optim, source, **kwargs)
+
+
+def _import(model: nn.Module, optim: Any, osd: Any, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_import_engine` over the engine's layout; per-element state comes out as the views' plain
+    1-D local tensors."""
+    with _in_engine_layout(model, optim) as views:
+        if "optim_input" in kwargs:
+            kwargs["optim_input"] = _engine_input(kwargs["optim_input"], views)
+        result = _import_engine(model, optim, osd, **kwargs)
+    if views:
+        result["state"] = {key: {name: _engine_flat.as_plain_value(value) for name, value in state.items()}
+                           if isinstance(state, dict) else state for key, state in result["state"].items()}
+    return result
 
 
 # State kinds: what an optimizer keeps per parameter, so that a loaded state can always be stepped.

@@ -227,8 +227,10 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                 raise AssertionError("Cannot manually unshard parameters during forward/backward; call "
                                      "summon_full_params() before the forward or after the backward")
     summoned: list[_SummonedParam] = []
-    # The engine's DTensors registered throughout (plain views come back after the restore below).
-    with _engine_flat.engine_params(unit.module for unit in units):
+    # The engine's DTensors registered throughout (plain views come back after the restore below), but
+    # where a rank keeps its shards (``rank0_only``): there the user sees its plain views, as in FSDP1.
+    _engine_flat.writeback(unit.module for unit in units)
+    with _engine_flat.engine_params(unit.module for unit in units if not (rank0_only and unit.rank != 0)):
         try:
             with contextlib.ExitStack() as hooks_suspended:
                 for unit in units:

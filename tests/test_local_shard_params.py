@@ -295,3 +295,61 @@ def test_flat_parameter_is_the_unit_flat_shard_and_its_grad_the_flat_gradient():
             start = info.offset_in_shard
             assert torch.equal(flat.grad[start:start + info.numel_in_shard], param.grad)
             assert torch.equal(flat[start:start + info.numel_in_shard], param)
+
+
+def _adamw_state_after_training(dtensor_params: bool, state_dict_type: str) -> tuple[FSDP, torch.optim.Optimizer,
+                                                                                   dict]:
+    model = _wrap("FULL_SHARD", dtensor_params=dtensor_params)
+    optimizer = diff.make_optimizer("adamw", model.parameters())
+    diff.train(model, optimizer, 2)
+    FSDP.set_state_dict_type(model, getattr(diff.torch_fsdp.StateDictType, state_dict_type))
+    return model, optimizer, FSDP.optim_state_dict(model, optimizer)
+
+
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+@distributed_test(world_size=2)
+def test_optimizer_state_is_plain_and_saves_as_with_dtensor_parameters(state_dict_type):
+    diff.quiet()
+    model, optimizer, ours = _adamw_state_after_training(False, state_dict_type)
+    for param in model.parameters():
+        for value in optimizer.state[param].values():
+            assert not isinstance(value, DTensor)
+            assert value.dim() == 0 or value.shape == param.shape
+    _, _, expected = _adamw_state_after_training(True, state_dict_type)
+    assert ours["param_groups"] == expected["param_groups"]
+    assert list(ours["state"]) == list(expected["state"])
+    for name, state in expected["state"].items():
+        for key, value in state.items():
+            mine = ours["state"][name][key]
+            if isinstance(value, DTensor):
+                assert isinstance(mine, DTensor) and torch.equal(mine.to_local(), value.to_local()), (name, key)
+            else:
+                assert torch.equal(mine, value), (name, key)
+
+
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+@distributed_test(world_size=2)
+def test_optimizer_state_round_trip_resumes_training_exactly(state_dict_type):
+    diff.quiet()
+    model, optimizer, saved = _adamw_state_after_training(False, state_dict_type)
+    model_state = model.state_dict()
+    expected = diff.train(model, optimizer, 2, first_step=2)
+    resumed = _wrap("FULL_SHARD")
+    FSDP.set_state_dict_type(resumed, getattr(diff.torch_fsdp.StateDictType, state_dict_type))
+    resumed.load_state_dict(model_state)
+    new_optimizer = diff.make_optimizer("adamw", resumed.parameters())
+    new_optimizer.load_state_dict(FSDP.optim_state_dict_to_load(resumed, new_optimizer, saved))
+    assert diff.train(resumed, new_optimizer, 2, first_step=2) == expected
+
+
+@distributed_test(world_size=2)
+def test_ranks_keeping_their_shards_under_rank0_only_see_their_plain_views():
+    diff.quiet()
+    model = _wrap("FULL_SHARD")
+    before = list(model.parameters())
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False):
+        inside = list(model.parameters())
+        assert not any(isinstance(param, DTensor) for param in inside)
+        if dist.get_rank() != 0:
+            assert all(a is b for a, b in zip(inside, before, strict=True))
+    assert all(a is b for a, b in zip(model.parameters(), before, strict=True))
