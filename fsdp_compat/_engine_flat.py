@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
@@ -44,6 +45,7 @@ from . import _engine
 _ATTR = "_fsdp_compat_local_shards"  # on the engine's FSDPState: its unit's LocalShards
 # view -> the engine's sharded DTensor it shows (weak on the view: the entry goes with it).
 _sharded_of_view: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_flat_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat parameter -> (LocalShards, buffer index)
 _constructing = 0  # wrappers being built: until the outermost is, the engine's DTensors stay registered
 
 ENGINE_NAMES = {
@@ -90,7 +92,11 @@ def _check_supported(fsdp_param: FSDPParam) -> None:
 class LocalShards:
     """One unit's flat local shard(s) (one per dtype) and the plain parameter views over them."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, flat_mode: bool = False) -> None:
+        self.module = module
+        # ``use_orig_params=False``: the module tree's parameters are the flat ones (registered on ``module``
+        # as ``_flat_param``), each original slot a plain tensor attribute viewing its piece.
+        self.flat_mode = flat_mode
         self.fsdp_params: list[FSDPParam] = _engine.managed_params(module)
         for fsdp_param in self.fsdp_params:
             _check_supported(fsdp_param)
@@ -203,25 +209,57 @@ class LocalShards:
 
         def register(param: nn.Parameter) -> None:
             if param is fsdp_param.sharded_param and self.engine_depth == 0 and not _constructing:
-                param = piece.view
-            setattr_on_modules(param)
+                self._register_view(piece, setattr_on_modules)
+            else:
+                _drop_plain_attributes(fsdp_param)
+                setattr_on_modules(param)
 
         def reset() -> None:
-            showing_view = _slot_value(fsdp_param) is piece.view
+            showing_view = self._shows_view(piece)
             if showing_view:
+                _drop_plain_attributes(fsdp_param)
                 setattr_on_modules(fsdp_param.sharded_param)
             reset_sharded_param()
             self.follow()
             if showing_view and self.engine_depth == 0 and not _constructing:
-                setattr_on_modules(piece.view)
+                self._register_view(piece, setattr_on_modules)
 
         fsdp_param._setattr_on_modules = register  # type: ignore[method-assign]
         fsdp_param.reset_sharded_param = reset  # type: ignore[method-assign]
 
+    def _register_view(self, piece: _Piece, setattr_on_modules: Any) -> None:
+        """What the user sees in ``piece``'s slots: its view as the parameter, or (flat mode) as a plain
+        tensor attribute, the unit's flat parameters being the module tree's parameters."""
+        if not self.flat_mode:
+            setattr_on_modules(piece.view)
+            return
+        for module, name in _slots(piece.fsdp_param):
+            module._parameters.pop(name, None)
+            module.__dict__[name] = piece.view.data
+
+    def _shows_view(self, piece: _Piece) -> bool:
+        if not self.flat_mode:
+            return _slot_value(piece.fsdp_param) is piece.view
+        module, name = _slots(piece.fsdp_param)[0]
+        return name in module.__dict__ and name not in module._parameters
+
     def show(self) -> None:
-        """Register in the module slots what the user should see: the views (sharded units only)."""
+        """Register in the module slots what the user should see: the views (sharded units only); in flat
+        mode, the flat parameters on the unit's module."""
         for piece in self.pieces:
             if piece.fsdp_param.sharded_state == ShardedState.SHARDED:
+                piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
+        if self.flat_mode:
+            self._ensure_flat_params()
+            for index, param in enumerate(self.flat_params):
+                self.module._parameters[_flat_name(index)] = param
+
+    def hide(self) -> None:
+        """The engine's DTensors in every slot showing a view; flat parameters unregistered."""
+        for index in range(len(self.flats)):
+            self.module._parameters.pop(_flat_name(index), None)
+        for piece in self.pieces:
+            if self._shows_view(piece):
                 piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
 
     # ---- writes in both directions ----
@@ -240,6 +278,8 @@ class LocalShards:
         """What the user changed on a view (``.data`` replaced, ``.grad`` replaced or ``None``,
         ``requires_grad``) reaches the engine."""
         self.absorb_flat_writes()
+        if self.flat_mode:
+            self._flat_grads_to_views()
         for piece in self.pieces:
             view, sharded = piece.view, piece.fsdp_param.sharded_param
             target = cast(torch.Tensor, piece.data)[:piece.numel]
@@ -262,6 +302,24 @@ class LocalShards:
                 self._set_engine_grad(piece, grad)
                 view.grad = self._grad_slice(piece, grad.dtype)
 
+    def _flat_grads_to_views(self) -> None:
+        """Flat mode: the flat parameters' ``.grad`` (``None``, the flat gradient, or one the user
+        assigned) decides the pieces' gradients."""
+        for index, param in enumerate(self.flat_params):
+            members = [piece for piece in self.pieces if piece.buffer == index]
+            grad = param.grad
+            if grad is None:
+                for piece in members:
+                    piece.view.grad = None
+                continue
+            flat = self.grad_flats[index]
+            if flat is None or grad.data_ptr() != flat.data_ptr() or grad.dtype != flat.dtype:
+                flat = self._new_grad_flat(index, grad.dtype)
+                flat.copy_(grad)
+                param.grad = flat
+            for piece in members:
+                piece.view.grad = flat[piece.offset:piece.offset + piece.numel]
+
     @torch.no_grad()
     def sync_grads(self) -> None:
         """After backward: each view's ``.grad`` a view of the flat local gradient, which is the engine's."""
@@ -275,6 +333,17 @@ class LocalShards:
                 self._set_engine_grad(piece, _local(grad))
             if piece.view.grad is None or piece.view.grad.data_ptr() != target.data_ptr() or piece.numel == 0:
                 piece.view.grad = target
+        if self.flat_mode:
+            for index, param in enumerate(self.flat_params):
+                members = [piece for piece in self.pieces if piece.buffer == index]
+                flat = self.grad_flats[index]
+                if flat is None or all(piece.view.grad is None for piece in members):
+                    param.grad = None
+                    continue
+                for piece in members:  # no gradient this time: zeros in the flat gradient, as FSDP1
+                    if piece.view.grad is None:
+                        flat[piece.offset:piece.offset + piece.numel].zero_()
+                param.grad = flat
 
     # ---- FSDP1's flat-parameter description ----
 
@@ -295,16 +364,23 @@ class LocalShards:
         writes reach the engine; its ``.grad`` is the flat local gradient after backward."""
         self.follow()
         self.writeback()
+        self._ensure_flat_params()
+        for index, param in enumerate(self.flat_params):
+            with_grad = [piece for piece in self.pieces if piece.buffer == index and piece.view.grad is not None]
+            param.grad = self.grad_flats[index] if with_grad else None
+        return self.flat_params
+
+    def _ensure_flat_params(self) -> None:
+        """The flat parameter objects exist, each over its current buffer (identity kept)."""
         if len(self.flat_params) != len(self.flats):
             self.flat_params = [nn.Parameter(flat, requires_grad=False) for flat in self.flats]
+            for index, param in enumerate(self.flat_params):
+                _flat_owner[param] = (weakref.ref(self), index)  # weak: the entry must not keep the unit
         for index, (param, flat) in enumerate(zip(self.flat_params, self.flats)):
             if param.data_ptr() != flat.data_ptr() or param.dtype != flat.dtype or param.shape != flat.shape:
                 param.data = flat
             members = [piece for piece in self.pieces if piece.buffer == index]
             param.requires_grad_(any(piece.view.requires_grad for piece in members))
-            with_grad = [piece for piece in members if piece.view.grad is not None]
-            param.grad = self.grad_flats[index] if with_grad else None
-        return self.flat_params
 
     def absorb_flat_writes(self) -> None:
         """A flat parameter whose ``.data`` was replaced (same size): its values written to the engine."""
@@ -336,6 +412,22 @@ def _shard_rank(fsdp_param: FSDPParam) -> int:
     return int(getattr(mesh_info, "shard_mesh_rank", 0))
 
 
+def _flat_name(index: int) -> str:
+    return "_flat_param" if index == 0 else f"_flat_param_{index}"  # FSDP1's name; one per extra dtype
+
+
+def _slots(fsdp_param: FSDPParam) -> list[tuple[nn.Module, str]]:
+    info = fsdp_param._module_info
+    return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+
+
+def _drop_plain_attributes(fsdp_param: FSDPParam) -> None:
+    """Flat mode's plain tensor attributes removed: they would hide what the engine registers next."""
+    for module, name in _slots(fsdp_param):
+        if name not in module._parameters:
+            module.__dict__.pop(name, None)
+
+
 def _slot_value(fsdp_param: FSDPParam) -> Any:
     info = fsdp_param._module_info
     return info.module._parameters.get(info.param_name)
@@ -363,11 +455,12 @@ def local_shards(module: nn.Module) -> LocalShards | None:
     return getattr(_engine.engine_state(module), _ATTR, None)
 
 
-def install(module: nn.Module) -> LocalShards | None:
-    """Give the engine unit ``module`` plain local-shard views (no-op without managed parameters)."""
+def install(module: nn.Module, flat_mode: bool = False) -> LocalShards | None:
+    """Give the engine unit ``module`` plain local-shard views (no-op without managed parameters); with
+    ``flat_mode`` (FSDP1's ``use_orig_params=False``) its parameters are its flat local shards."""
     if not _engine.managed_params(module):
         return None
-    return local_shards(module) or LocalShards(module)
+    return local_shards(module) or LocalShards(module, flat_mode)
 
 
 @contextlib.contextmanager
@@ -402,9 +495,7 @@ def engine_params(modules: Iterable[nn.Module]) -> Iterator[None]:
         shards.follow()
         shards.writeback()
         shards.engine_depth += 1
-        for piece in shards.pieces:
-            if _slot_value(piece.fsdp_param) is piece.view:
-                piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
+        shards.hide()
     try:
         yield
     finally:
@@ -436,6 +527,20 @@ def views_to_sharded(modules: Iterable[nn.Module]) -> dict[int, tuple[nn.Paramet
             found.update((id(piece.view), (piece.view, cast(DTensor, piece.fsdp_param.sharded_param)))
                          for piece in shards.pieces)
     return found
+
+
+def flat_pieces(param: Any) -> list[tuple[nn.Parameter, DTensor, int, int]] | None:
+    """For a flat parameter (``use_orig_params=False``): ``(view, sharded DTensor, offset, numel)`` of each
+    parameter it holds, in its layout; ``None`` for any other tensor."""
+    found = _flat_owner.get(param) if isinstance(param, torch.Tensor) else None
+    if found is None:
+        return None
+    reference, index = found
+    shards = reference()
+    if shards is None:
+        return None
+    return [(piece.view, cast(DTensor, piece.fsdp_param.sharded_param), piece.offset, piece.numel)
+            for piece in shards.pieces if piece.buffer == index]
 
 
 def sharded_of_view(param: nn.Parameter) -> DTensor | None:

@@ -11,12 +11,11 @@ Key order, ``param_groups`` and scalar state (Adam's ``step``) follow FSDP1's ou
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _engine, _engine_flat, _orig_params, _state_dict
+from . import _engine, _optim_views, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._tensor_layout import (GatherBuffer, TensorSpec, broadcast_tensor, copy_to, full_tensors, is_replicated_only,
@@ -391,93 +390,36 @@ def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: Optim
     return {"state": state, "param_groups": param_groups}
 
 
-@contextlib.contextmanager
-def _in_engine_layout(model: nn.Module, optim: Any) -> Iterator[dict[int, tuple[nn.Parameter, Any]]]:
-    """With FSDP1's plain local-shard parameters (``dtensor_params=False``): for the duration, ``model``
-    shows the engine's DTensor parameters and ``optim`` holds them, with its per-element state as DTensors
-    over the same memory, so the state-dict family below works in the one layout it knows. Yields the
-    views' map (empty with DTensor parameters: nothing changes)."""
-    views = _engine_flat.views_to_sharded(model.modules())
-    if not views:
-        yield views
-        return
-    if isinstance(optim, torch.optim.Optimizer):
-        _orig_params.rebind_optimizer(optim)  # built before wrapping: first on the views
-    with _engine_flat.engine_params(model.modules()):
-        if not isinstance(optim, torch.optim.Optimizer):
-            yield views
-            return
-        saved_groups = [list(group["params"]) for group in optim.param_groups]
-        saved_state = dict(optim.state)
-        for group in optim.param_groups:
-            group["params"] = [views[id(p)][1] if id(p) in views else p for p in group["params"]]
-        optim.state.clear()
-        for param, state in saved_state.items():
-            if id(param) in views:
-                view, sharded = views[id(param)]
-                optim.state[sharded] = {name: _engine_flat.as_engine_value(value, view, sharded)
-                                        for name, value in state.items()}
-            else:
-                optim.state[param] = state
-        try:
-            yield views
-        finally:
-            for group, params in zip(optim.param_groups, saved_groups):
-                group["params"] = params
-            optim.state.clear()
-            optim.state.update(saved_state)
-
-
-def _engine_source(source: Mapping[str, Any], views: dict[int, tuple[nn.Parameter, Any]],
-                   params_before: list[nn.Parameter]) -> Mapping[str, Any]:
-    """A user-taken ``optim.state_dict()`` (plain values, keyed by position) with DTensor state values."""
-    state = {}
-    for key, param_state in source["state"].items():
-        param = params_before[key] if isinstance(key, int) and key < len(params_before) else None
-        if param is not None and id(param) in views:
-            view, sharded = views[id(param)]
-            param_state = {name: _engine_flat.as_engine_value(value, view, sharded)
-                           for name, value in param_state.items()}
-        state[key] = param_state
-    return {**source, "state": state}
-
-
-def _engine_input(optim_input: OptimInput, views: dict[int, tuple[nn.Parameter, Any]]) -> OptimInput:
-    """``optim_input`` (parameters or parameter groups) with each view replaced by its DTensor."""
-    if optim_input is None or not views:
+def _engine_input(optim_input: OptimInput, translation: _optim_views.Translation | None) -> OptimInput:
+    """``optim_input`` (parameters or parameter groups) in the engine's parameters."""
+    if optim_input is None or translation is None:
         return optim_input
-
-    def engine(params: Iterable[Any]) -> list[Any]:
-        return [views[id(p)][1] if id(p) in views else p for p in params]
-
     given: list[Any] = list(optim_input)
     if given and isinstance(given[0], dict):
-        return [{**group, "params": engine(group["params"])} for group in given]
-    return engine(given)
+        return [{**group, "params": translation.engine_params(group["params"])} for group in given]
+    return translation.engine_params(given)
 
 
-def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, **kwargs: Any) -> dict[str, Any]:
-    """:func:`_export_engine` over the engine's layout (plain local-shard views translated)."""
-    params_before = [p for group in getattr(optim, "param_groups", []) for p in group["params"]]
-    with _in_engine_layout(model, optim) as views:
-        if views and source is not None:
-            source = _engine_source(source, views, params_before)
-        if "optim_input" in kwargs:
-            kwargs["optim_input"] = _engine_input(kwargs["optim_input"], views)
-        return _export_engine(model, optim, source, **kwargs)
+def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *,
+            optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_export_engine` in the engine's layout (FSDP1's plain parameters translated: ``_optim_views``)."""
+    optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None  # read twice
+    with _optim_views.engine_layout(model, optim, optim_input) as translation:
+        if translation is not None and translation.active and source is not None:
+            source = translation.engine_source(source)
+        return _export_engine(model, optim, source, optim_input=_engine_input(optim_input, translation), **kwargs)
 
 
-def _import(model: nn.Module, optim: Any, osd: Any, **kwargs: Any) -> dict[str, Any]:
-    """:func:`_import_engine` over the engine's layout; per-element state comes out as the views' plain
-    1-D local tensors."""
-    with _in_engine_layout(model, optim) as views:
-        if "optim_input" in kwargs:
-            kwargs["optim_input"] = _engine_input(kwargs["optim_input"], views)
-        result = _import_engine(model, optim, osd, **kwargs)
-    if views:
-        result["state"] = {key: {name: _engine_flat.as_plain_value(value) for name, value in state.items()}
-                           if isinstance(state, dict) else state for key, state in result["state"].items()}
-    return result
+def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_import_engine` in the engine's layout; the result keyed and laid out as ``optim`` holds it
+    (without an optimizer: as ``optim_input``, else ``model.parameters()``, orders them)."""
+    optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None
+    with _optim_views.engine_layout(model, optim, optim_input) as translation:
+        engine_input = _engine_input(optim_input, translation)
+        if translation is not None and engine_input is None and not isinstance(optim, torch.optim.Optimizer):
+            engine_input = translation.engine_params(translation.params)  # model.parameters()'s order
+        result = _import_engine(model, optim, osd, optim_input=engine_input, **kwargs)
+    return result if translation is None or not translation.active else translation.plain_result(result)
 
 
 # State kinds: what an optimizer keeps per parameter, so that a loaded state can always be stepped.

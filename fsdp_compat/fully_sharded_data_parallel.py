@@ -203,7 +203,8 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
                 remember_sharded(module)
             _mixed_precision.init_unit(state)
             if not state.dtensor_params:
-                _engine_flat.install(module)
+                _engine_flat.install(module, flat_mode=not state.use_orig_params)
+                _flat_param_view.flat_params(state)  # described (``_fqns``...) before anyone reads them
         _orig_params.remember_replacements(original_params)
 
     # FSDP1's attributes, which third-party code reads on the wrapper, held by its unit state.

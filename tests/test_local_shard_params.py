@@ -353,3 +353,82 @@ def test_ranks_keeping_their_shards_under_rank0_only_see_their_plain_views():
         if dist.get_rank() != 0:
             assert all(a is b for a, b in zip(inside, before, strict=True))
     assert all(a is b for a, b in zip(model.parameters(), before, strict=True))
+
+
+def _wrap_flat(fsdp1: bool = False) -> nn.Module:
+    """The test model, auto-wrapped per block, ``use_orig_params=False``; ours unless ``fsdp1``."""
+    kwargs = diff.fsdp1_kwargs() if fsdp1 else {"dtensor_params": False}
+    return (diff.TorchFSDP if fsdp1 else FSDP)(diff.make_model(0), auto_wrap_policy=diff.block_policy_torch(),
+                                               use_orig_params=False, **kwargs)
+
+
+@distributed_test(world_size=2)
+def test_use_orig_params_false_parameters_are_one_flat_parameter_per_unit_named_as_fsdp1():
+    diff.quiet()
+    model = _wrap_flat()
+    names = [name for name, _ in model.named_parameters()]
+    assert names == diff.fsdp1_value(GOLDEN, diff.golden_key("flat-names"),
+                                     lambda: [name for name, _ in _wrap_flat(fsdp1=True).named_parameters()])
+    params = list(model.parameters())
+    assert all(param._is_flat_param and param.dim() == 1 and not isinstance(param, DTensor) for param in params)
+    assert [param for unit in FSDP.fsdp_modules(model) for param in unit.params] == params
+    local = torch.tensor(sum(param.numel() for param in params))
+    dist.all_reduce(local)
+    padding = sum(sum(info.numel_in_shard or 0 for info in param._shard_param_infos) for param in params)
+    assert local.item() >= sum(param.numel() for param in diff.make_model(0).parameters())
+    assert padding <= sum(param.numel() for param in params)
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+@distributed_test(world_size=2)
+def test_optimizer_over_flat_parameters_trains_like_fsdp1(optimizer_name):
+    diff.quiet()
+
+    def train(model: nn.Module) -> list[float]:
+        return diff.train(model, diff.make_optimizer(optimizer_name, model.parameters()), STEPS)
+
+    ours = train(_wrap_flat())
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("flat-train", optimizer_name), ours,
+                             lambda: train(_wrap_flat(fsdp1=True)))
+
+
+@distributed_test(world_size=2)
+def test_flat_gradient_after_backward_holds_every_piece_gradient():
+    diff.quiet()
+    model = _wrap_flat()
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    for param in model.parameters():
+        assert param.grad is not None and param.grad.shape == param.shape
+    ours = _olmo_grad_norm(model)
+    reference = _wrap("FULL_SHARD")
+    diff.loss_fn(reference, *diff.local_batch(0)).backward()
+    assert ours == pytest.approx(_olmo_grad_norm(reference), rel=1e-6)
+
+
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+@distributed_test(world_size=2)
+def test_flat_parameter_optimizer_state_saves_as_with_dtensor_parameters_and_resumes(state_dict_type):
+    diff.quiet()
+    kind = getattr(diff.torch_fsdp.StateDictType, state_dict_type)
+    saved = {}
+    for dtensor_params in (True, False):
+        model = FSDP(diff.make_model(0), auto_wrap_policy=diff.block_policy_torch(), use_orig_params=False,
+                     dtensor_params=dtensor_params)
+        optimizer = diff.make_optimizer("adamw", model.parameters())
+        diff.train(model, optimizer, 2)
+        FSDP.set_state_dict_type(model, kind)
+        saved[dtensor_params] = (FSDP.optim_state_dict(model, optimizer), model.state_dict())
+    ours, expected = saved[False][0], saved[True][0]
+    assert list(ours["state"]) == list(expected["state"])
+    for name, state in expected["state"].items():
+        for key, value in state.items():
+            mine = ours["state"][name][key]
+            local = (lambda t: t.to_local() if isinstance(t, DTensor) else t)
+            assert torch.equal(local(mine), local(value)), (name, key)
+    expected_losses = diff.train(model, optimizer, 2, first_step=2)  # the last (plain) run, uninterrupted
+    resumed = _wrap_flat()
+    FSDP.set_state_dict_type(resumed, kind)
+    resumed.load_state_dict(saved[False][1])
+    new_optimizer = diff.make_optimizer("adamw", resumed.parameters())
+    new_optimizer.load_state_dict(FSDP.optim_state_dict_to_load(resumed, new_optimizer, ours))
+    assert diff.train(resumed, new_optimizer, 2, first_step=2) == expected_losses
