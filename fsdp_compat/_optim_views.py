@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import _engine_flat, _orig_params
+from . import _engine, _engine_flat, _orig_params
 
 Piece = tuple[nn.Parameter, Any, int, int]  # (view, sharded DTensor, offset in the flat param, numel)
 
@@ -86,6 +86,10 @@ class Translation:
     def plain_result(self, result: dict[str, Any]) -> dict[str, Any]:
         """A state to load (keyed by engine positions, DTensor values) keyed by the optimizer's own
         positions, with plain 1-D local values (a flat parameter's assembled from its pieces)."""
+        if any(isinstance(key, str) for key in result["state"]) or not any(self.flat):
+            # Keyed by names (``is_named_optimizer``), or views one-to-one with the engine's parameters:
+            # the same keys; only the values change layout. (Named keys of flat parameters stay per piece.)
+            return self._plain_values(result)
         positions = self.new_positions()
         old_of = {new: old for old, news in enumerate(positions) for new in news}
         state: dict[Any, Any] = {}
@@ -104,6 +108,31 @@ class Translation:
         groups = [{**group, "params": sorted({old_of[new] for new in group["params"]})}
                   for group in result["param_groups"]]
         return {"state": state, "param_groups": groups}
+
+    @staticmethod
+    def _plain_values(result: dict[str, Any]) -> dict[str, Any]:
+        state = {key: {name: _engine_flat.as_plain_value(value) for name, value in param_state.items()}
+                 if isinstance(param_state, dict) else param_state for key, param_state in result["state"].items()}
+        return {**result, "state": state}
+
+    def restore_state(self, optim: torch.optim.Optimizer) -> None:
+        """``optim.state`` (in the engine's layout) re-keyed by the optimizer's own parameters, plain."""
+        current = dict(optim.state)
+        optim.state.clear()
+        for old, (param, pieces) in enumerate(zip(self.params, self.pieces)):
+            if pieces is None:
+                if param in current:
+                    optim.state[param] = current.pop(param)
+                continue
+            states = [(piece, current.pop(piece[1], None)) for piece in pieces]
+            if all(state is None for _, state in states):
+                continue
+            if self.flat[old]:
+                optim.state[param] = self._flat_state(old, states)
+            else:
+                optim.state[param] = {name: _engine_flat.as_plain_value(value)
+                                      for name, value in (states[0][1] or {}).items()}
+        optim.state.update(current)  # entries of no parameter
 
     def _flat_state(self, old: int, pieces: list[tuple[Piece, Any]]) -> dict[str, Any]:
         """A flat parameter's state from its pieces': per-element ones concatenated in its layout (its
@@ -174,5 +203,10 @@ def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iter
         finally:
             for group, saved in zip(optim.param_groups, saved_groups):
                 group["params"] = saved
-            optim.state.clear()
-            optim.state.update(saved_state)
+            # What the optimizer holds now (also a state loaded meanwhile, torch's ``set_state_dict``), back
+            # in the views' plain layout.
+            translation.restore_state(optim)
+
+
+
+_engine.set_dcp_optimizer_layout(engine_layout)  # torch's get_state_dict / set_state_dict: the same layout
