@@ -45,6 +45,9 @@ from . import _engine
 _ATTR = "_fsdp_compat_local_shards"  # on the engine's FSDPState: its unit's LocalShards
 # view -> the engine's sharded DTensor it shows (weak on the view: the entry goes with it).
 _sharded_of_view: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The reverse, by the DTensor's id (a weak reference to it would make ``swap_tensors`` refuse it: ``_apply``);
+# a stale id is harmless, the lookup confirms. Flat mode: no entry (its views are no parameters).
+_view_of_sharded: dict[int, weakref.ref[nn.Parameter]] = {}
 _flat_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat parameter -> (LocalShards, buffer index)
 _constructing = 0  # wrappers being built: until the outermost is, the engine's DTensors stay registered
 
@@ -157,6 +160,8 @@ class LocalShards:
         cast(Any, fsdp_param.sharded_param)._local_tensor = local
         piece.data, piece.sharded, piece.local = data, fsdp_param.sharded_param, local
         _sharded_of_view[piece.view] = fsdp_param.sharded_param
+        if not self.flat_mode:
+            _view_of_sharded[id(fsdp_param.sharded_param)] = weakref.ref(piece.view)
         target = data[:piece.numel]
         if piece.view.data_ptr() != target.data_ptr() or piece.view.dtype != target.dtype or piece.numel == 0:
             piece.view.data = target
@@ -541,6 +546,13 @@ def flat_pieces(param: Any) -> list[tuple[nn.Parameter, DTensor, int, int]] | No
         return None
     return [(piece.view, cast(DTensor, piece.fsdp_param.sharded_param), piece.offset, piece.numel)
             for piece in shards.pieces if piece.buffer == index]
+
+
+def view_of_sharded(param: Any) -> nn.Parameter | None:
+    """The plain view (``use_orig_params=True``) showing the engine's sharded parameter ``param``, or ``None``."""
+    reference = _view_of_sharded.get(id(param))
+    view = reference() if reference is not None else None
+    return view if view is not None and _sharded_of_view.get(view) is param else None
 
 
 def sharded_of_view(param: nn.Parameter) -> DTensor | None:

@@ -61,6 +61,9 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
             current = param
             while current in _replaced:  # a replacement may have been replaced since (rewrapping)
                 current = _replaced[current]
+            view = _engine_flat.view_of_sharded(current)
+            if view is not None:  # FSDP1's plain local-shard view shows that DTensor now
+                current = view
             if current is param:
                 continue
             params[index] = current

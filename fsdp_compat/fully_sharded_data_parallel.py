@@ -89,8 +89,11 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
     Same constructor, attributes, names and methods as FSDP1; torch's per-parameter FSDP2 engine
     shards, communicates, prefetches and reshards. Differences from FSDP1:
 
-    * Parameters are always the original ones (sharded ``DTensor``), whatever ``use_orig_params``
-      says (no ``FlatParameter``); ``named_parameters()`` gives FSDP1's prefixed original names.
+    * With ``dtensor_params`` (keyword-only, default ``None``: ``True`` unless ``FSDP_COMPAT_DTENSOR_PARAMS=0``)
+      parameters are the original ones (sharded ``DTensor``), whatever ``use_orig_params`` says;
+      ``named_parameters()`` gives FSDP1's prefixed original names. ``dtensor_params=False`` gives FSDP1's
+      parameter model: plain 1-D local-shard views, or one flat parameter per unit for
+      ``use_orig_params=False``, in the engine's layout (README, "What a parameter is").
     * A meta-device model is materialised in module order: the same seed gives eager construction's values.
     * ``limit_all_gathers=False`` and ``backward_prefetch`` other than ``BACKWARD_PRE`` warn once:
       the engine always rate-limits all-gathers and prefetches the next unit in backward.

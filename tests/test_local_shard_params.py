@@ -432,3 +432,39 @@ def test_flat_parameter_optimizer_state_saves_as_with_dtensor_parameters_and_res
     new_optimizer = diff.make_optimizer("adamw", resumed.parameters())
     new_optimizer.load_state_dict(FSDP.optim_state_dict_to_load(resumed, new_optimizer, ours))
     assert diff.train(resumed, new_optimizer, 2, first_step=2) == expected_losses
+
+
+@distributed_test(world_size=2)
+def test_the_engine_still_has_the_storage_names_the_views_rely_on():
+    """A torch upgrade that renames these makes the views silently stale: fail here, by name."""
+    from fsdp_compat import _engine, _engine_flat
+
+    model = _wrap("FULL_SHARD", dtensor_params=True)
+    for owner, names in _engine_flat.ENGINE_NAMES.items():
+        for name in names:
+            assert callable(getattr(owner, name, None)), f"{owner.__qualname__}.{name}"
+    fsdp_param = _engine.managed_params(model.module)[0]
+    for name in ("_sharded_param_data", "padded_sharded_param_size", "sharded_size", "sharded_state",
+                 "_module_info", "fsdp_placement", "mesh_info"):
+        assert hasattr(fsdp_param, name), f"FSDPParam.{name}"
+    assert hasattr(fsdp_param.sharded_param, "_local_tensor")
+    assert hasattr(_engine.engine_state(model.module)._state_ctx, "all_states")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_optimizer_built_before_wrapping_trains_the_plain_views(strategy):
+    diff.quiet()
+    results = []
+    for before in (True, False):
+        model = diff.make_model(0)
+        optimizer = diff.make_optimizer("adamw", model.parameters()) if before else None
+        model = FSDP(model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True, dtensor_params=False,
+                     sharding_strategy=getattr(diff.torch_fsdp.ShardingStrategy, strategy))
+        optimizer = optimizer or diff.make_optimizer("adamw", model.parameters())
+        results.append((diff.train(model, optimizer, STEPS), _full_parameters(model)))
+        if before:
+            assert all(not isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
+    assert results[0][0] == results[1][0]
+    for name, value in results[1][1].items():
+        assert torch.equal(results[0][1][name], value), name
