@@ -491,6 +491,21 @@ def writeback(modules: Iterable[nn.Module]) -> None:
             shards.writeback()
 
 
+def engine_grads(modules: Iterable[nn.Module]) -> tuple[list[torch.Tensor], set[int]]:
+    """The engine's sharded gradients of the units ``modules`` that show plain views (users' changes
+    written back first), and the ids of the parameters those units show (views, flat parameters)."""
+    grads: list[torch.Tensor] = []
+    shown: set[int] = set()
+    for module in modules:
+        if (shards := local_shards(module)) is None:
+            continue
+        shards.follow()
+        shards.writeback()
+        shown.update(id(param) for param in (*shards.views(), *shards.flat_params))
+        grads += [grad for piece in shards.pieces if (grad := piece.fsdp_param.sharded_param.grad) is not None]
+    return grads, shown
+
+
 @contextlib.contextmanager
 def engine_params(modules: Iterable[nn.Module]) -> Iterator[None]:
     """The engine's DTensor parameters registered in the units ``modules`` for the duration (the

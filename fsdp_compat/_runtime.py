@@ -119,9 +119,11 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
                              "would flip the gradients' sign")
         if not norm_type > 0:
             raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
-    with _engine_flat.engine_params(engine_unit.module for engine_unit in units_in(unit.wrapper)):
-        # The engine's DTensor gradients: sharded ones counted once per shard group. Plain views alias them.
-        grads = [param.grad for param in unit.wrapper.parameters() if param.grad is not None]
+    # The engine's DTensor gradients (sharded ones are counted once per shard group); plain views and flat
+    # parameters alias them, so clipping those clips these.
+    engine_grads, shown = _engine_flat.engine_grads(engine_unit.module for engine_unit in units_in(unit.wrapper))
+    grads = [*engine_grads, *(param.grad for param in unit.wrapper.parameters()
+                              if param.grad is not None and id(param) not in shown)]
     total = _total_norm(grads, norm_type, unit.compute_device)
     if unit.cpu_offload.offload_params:
         total = total.cpu()
