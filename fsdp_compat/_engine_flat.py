@@ -238,9 +238,10 @@ class LocalShards:
         if not self.flat_mode:
             setattr_on_modules(piece.view)
             return
+        plain = piece.view.data  # one object for every slot: a tied weight stays one tensor
         for module, name in _slots(piece.fsdp_param):
             module._parameters.pop(name, None)
-            module.__dict__[name] = piece.view.data
+            module.__dict__[name] = plain
 
     def _shows_view(self, piece: _Piece) -> bool:
         if not self.flat_mode:
