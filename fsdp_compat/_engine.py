@@ -444,6 +444,7 @@ def _install_distributed_checkpoint_interop() -> bool:
     try:
         from torch.distributed.checkpoint import state_dict as dsd
         verify_options, get_fqns, info_class = dsd._verify_options, dsd._get_fqns, dsd._StateDictInfo
+        dsd._get_optim_state_dict, dsd._load_optim_state_dict  # noqa: B018 (wrapped below: must exist)
     except (ImportError, AttributeError):  # pragma: no cover - depends on the torch version
         return False
     if "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}:
@@ -464,11 +465,78 @@ def _install_distributed_checkpoint_interop() -> bool:
             return fqns
         return {".".join(part for part in fqn.split(".") if part != _WRAPPER_SEGMENT) for fqn in fqns}
 
-    for wrapped in (verify_options_publishing, get_fqns_without_wrappers):
+    get_optim, load_optim = dsd._get_optim_state_dict, dsd._load_optim_state_dict
+
+    @functools.wraps(get_optim)
+    def get_optim_in_layout(model: nn.Module, optimizers: Any, *args: Any, **kwargs: Any) -> Any:
+        with _optimizers_in_layout(dsd, model, optimizers, (*args, *kwargs.values())):
+            return get_optim(model, optimizers, *args, **kwargs)
+
+    @functools.wraps(load_optim)
+    def load_optim_in_layout(model: nn.Module, optimizers: Any, *args: Any, **kwargs: Any) -> Any:
+        with _optimizers_in_layout(dsd, model, optimizers, (*args, *kwargs.values())):
+            return load_optim(model, optimizers, *args, **kwargs)
+
+    for wrapped in (verify_options_publishing, get_fqns_without_wrappers, get_optim_in_layout, load_optim_in_layout):
         setattr(wrapped, _INTEROP_MARK, True)
     dsd._verify_options = verify_options_publishing
     dsd._get_fqns = get_fqns_without_wrappers
+    dsd._get_optim_state_dict = get_optim_in_layout
+    dsd._load_optim_state_dict = load_optim_in_layout
     return True
+
+
+# How ``dsd`` sees a model's optimizers: FSDP1's plain parameters put them in the engine's DTensor layout
+# for the call (``_optim_views.engine_layout``, registered through :func:`set_dcp_optimizer_layout`).
+_dcp_optimizer_layout: list[Callable[[nn.Module, Any], contextlib.AbstractContextManager[Any]]] = []
+
+
+def set_dcp_optimizer_layout(layout: Callable[[nn.Module, Any], contextlib.AbstractContextManager[Any]]) -> None:
+    """Make torch's ``get_state_dict`` / ``set_state_dict`` run each optimizer inside ``layout(model, optim)``."""
+    _dcp_optimizer_layout[:] = [layout]
+
+
+@contextlib.contextmanager
+def _optimizers_in_layout(dsd: Any, model: nn.Module, optimizers: Any, args: tuple[Any, ...]) -> Iterator[None]:
+    """Each optimizer in its layout; the call's parameter-name maps (``_verify_options`` built them from
+    the parameters shown before) rebuilt from the parameters the model holds now, as it builds them."""
+    if not _dcp_optimizer_layout:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for optim in optimizers:
+            for layout in _dcp_optimizer_layout:
+                stack.enter_context(layout(model, optim))
+        info = next((arg for arg in args if isinstance(arg, dsd._StateDictInfo)), None)
+        saved = (info.fqn_param_mapping, info.shared_params_mapping) if info is not None else None
+        if info is not None:
+            info.fqn_param_mapping, info.shared_params_mapping = _param_name_maps(dsd, model)
+        try:
+            yield
+        finally:
+            if info is not None and saved is not None:
+                info.fqn_param_mapping, info.shared_params_mapping = saved
+
+
+def _param_name_maps(dsd: Any, model: nn.Module) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """``dsd._verify_options``'s ``fqn_param_mapping`` and ``shared_params_mapping``, built the same way."""
+    fqn_param_mapping: dict[Any, Any] = {}
+    shared_params_mapping: dict[Any, Any] = {}
+    for name, param in dsd._iterate_valid_model_state(model):
+        if isinstance(param, dsd._EXTRA_STATE):
+            continue
+        fqns = dsd._get_fqns(model, name)
+        if param in fqn_param_mapping:
+            fqn_param_mapping[param].update(fqns)
+            shared_params_mapping[param] = fqn_param_mapping[param]
+        else:
+            fqn_param_mapping[param] = set(fqns)
+        for fqn in fqns:
+            fqn_param_mapping[fqn] = param
+    for param, fqns in list(shared_params_mapping.items()):
+        for fqn in fqns:
+            shared_params_mapping[fqn] = param
+    return fqn_param_mapping, shared_params_mapping
 
 
 DISTRIBUTED_CHECKPOINT_INTEROP: bool = _install_distributed_checkpoint_interop()

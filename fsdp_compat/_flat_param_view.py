@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _engine
+import torch.nn as nn
+
+from . import _engine, _engine_flat
 from ._common import clean_name
 from ._unit_state import UnitState
 
@@ -101,13 +103,63 @@ class FlatParamView:
         return sum(shard.numel() for shard in self._local_shards())
 
 
+class LocalFlatHandle(FlatParamView):
+    """FSDP1's ``FlatParamHandle`` of a unit with plain local-shard views (``dtensor_params=False``): its
+    ``flat_param`` is a real plain ``nn.Parameter``, the unit's flat local shard itself."""
+
+    @property
+    def flat_param(self) -> nn.Parameter:  # type: ignore[override]
+        return flat_params(self._unit)[0]
+
+
+def flat_params(unit: UnitState) -> list[nn.Parameter]:
+    """The unit's flat local shards (one per dtype), each described as FSDP1's ``FlatParameter`` is:
+    ``_fqns``, ``_shard_param_infos``, ``_numels``, ``_shapes``, ``_params`` over the engine's layout
+    (each parameter's padded dim-0 chunk, concatenated; README, "What a parameter is")."""
+    shards = _engine_flat.local_shards(unit.module)
+    if shards is None:
+        return []
+    params = shards.flat_parameters()
+    module_paths = {id(sub): path for path, sub in unit.module.named_modules()}
+    names = [clean_name(f"{module_paths[id(slots[0][0])]}.{slots[0][1]}".lstrip("."))
+             for _, slots in _engine.unit_param_slots(unit.module)]
+    infos, buffers = shards.shard_infos(), shards.buffer_of()
+    sharded, views = _engine.sharded_params(unit.module), shards.views()
+    for index, param in enumerate(params):
+        members = [i for i, buffer in enumerate(buffers) if buffer == index]
+        attributes = dict(_is_flat_param=True, _fqns=[names[i] for i in members],
+                          _shard_param_infos=[infos[i] for i in members],
+                          _numels=[sharded[i].numel() for i in members],
+                          _shapes=[sharded[i].shape for i in members],
+                          _params=[views[i] for i in members] if unit.use_orig_params else None)
+        for name, value in attributes.items():
+            setattr(param, name, value)
+    return params
+
+
 def has_params(unit: UnitState) -> bool:
     """FSDP1's ``_has_params``: whether this unit manages any parameter of its own."""
     return bool(_engine.sharded_params(unit.module))
 
 
-def flat_param(unit: UnitState) -> FlatParamView | None:
-    """FSDP1's ``_flat_param`` and ``_handle``: ``None`` for a unit without parameters, as in FSDP1."""
+def handle(unit: UnitState) -> FlatParamView | None:
+    """FSDP1's ``_handle`` (and, for DTensor parameters, its ``_flat_param``): ``None`` for a unit without
+    parameters, as in FSDP1."""
     if unit.handle_view is None and has_params(unit):
-        unit.handle_view = FlatParamView(unit)
+        local = _engine_flat.local_shards(unit.module) is not None
+        unit.handle_view = LocalFlatHandle(unit) if local else FlatParamView(unit)
     return unit.handle_view
+
+
+def flat_param(unit: UnitState) -> FlatParamView | nn.Parameter | None:
+    """FSDP1's ``_flat_param``: the unit's (first) flat local shard, or the read-only stand-in."""
+    view = handle(unit)
+    return view.flat_param if view is not None else None
+
+
+def params(unit: UnitState) -> list[FlatParamView] | list[nn.Parameter]:
+    """FSDP1's ``params``: the unit's flat parameters (one per dtype with local-shard views)."""
+    if _engine_flat.local_shards(unit.module) is not None:
+        return flat_params(unit)
+    view = handle(unit)
+    return [view] if view is not None else []

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _engine, _orig_params, _state_dict
+from . import _engine, _optim_views, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._tensor_layout import (GatherBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
@@ -63,6 +63,7 @@ class _ParamIndex:
     fqn_of: dict[nn.Parameter, str]         # clean FQN; a tied parameter's first name, as FSDP1
     param_of_fqn: dict[str, nn.Parameter]
     flat_order: bool                        # FSDP1 ``use_orig_params=False`` ordering of names
+    flat_params: bool                       # the optimizer steps FSDP1 flat parameters (one scalar state a unit)
     unit_of: dict[nn.Parameter, int]        # pre-order index of the owning unit (managed only)
     flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
 
@@ -113,7 +114,8 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
                for param in _engine.sharded_params(unit.module)}
     return _ParamIndex(groups=groups, key_of=key_of, param_of_key={key: param for param, key in key_of.items()},
                        fqn_of=fqn_of, param_of_fqn={fqn: param for param, fqn in fqn_of.items()},
-                       flat_order=flat_order, unit_of=unit_of,
+                       flat_order=flat_order, flat_params=flat_order and not units[0].dtensor_params,
+                       unit_of=unit_of,
                        # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
                        flat_position=_flat_positions(model, units, unit_of) if flat_order else {})
 
@@ -208,9 +210,9 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
             for param, state in states.items()}
 
 
-def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool, rank0_only: bool = False,
-            offload: bool = True, group: Any = None, optim_input: OptimInput = None,
-            dtensor: bool = False) -> dict[str, Any]:
+def _export_engine(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool,
+                   rank0_only: bool = False, offload: bool = True, group: Any = None,
+                   optim_input: OptimInput = None, dtensor: bool = False) -> dict[str, Any]:
     """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED (``ShardedTensor``
     values, ``DTensor`` ones if ``dtensor``). Every rank must call (gathers); with ``rank0_only`` other
     ranks get ``{}``."""
@@ -315,7 +317,7 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any, load_directly: 
                        f"hold: {sorted(set(unknown))[:10]}; is it the state of another model?")
     if saved_groups is not None:  # FSDP1 converts the state alone, and returns no param_groups
         _validate_groups(saved_groups, index)
-    if index.flat_order:
+    if index.flat_params:  # per-parameter optimizers (DTensor parameters) keep a step each
         _check_flat_scalar_states(state, index)
     _validate_states(state, index, optim, saved_groups)
 
@@ -338,9 +340,10 @@ def _validate_groups(saved_groups: list[Mapping[str, Any]], index: _ParamIndex) 
 
 
 def _check_flat_scalar_states(state: Mapping[str, Any], index: _ParamIndex) -> None:
-    """FSDP1's ``ValueError`` (and text) under ``use_orig_params=False``: a unit's parameters form one
-    FlatParameter there, with one value of each scalar state (Adam's ``step``), so those that have a
-    scalar state must agree on its value and dtype."""
+    """FSDP1's ``ValueError`` (and text) for flat parameters (``use_orig_params=False`` with FSDP1's
+    parameter model): a unit's parameters form one flat parameter, with one value of each scalar state
+    (Adam's ``step``), so those that have a scalar state must agree on its value and dtype. With the
+    engine's DTensor parameters each parameter keeps its own (a parameter unused on some steps lags)."""
     units: dict[int, list[nn.Parameter]] = {}
     for param, unit in index.unit_of.items():
         units.setdefault(unit, []).append(param)
@@ -458,8 +461,9 @@ def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, 
     return (osd if is_rank0 else skeleton), received
 
 
-def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None, rank0_only: bool = False,
-            group: Any = None, named_keys: bool = False, load_directly: bool = False) -> dict[str, Any]:
+def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
+                   rank0_only: bool = False, group: Any = None, named_keys: bool = False,
+                   load_directly: bool = False) -> dict[str, Any]:
     """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as ``optim.load_state_dict``
     takes it, as new memory. Every rank validates what it reads (only rank 0 under ``rank0_only``)
     and all agree on the outcome before anything is converted: all raise, or none."""
@@ -492,6 +496,38 @@ def _keyed_group(saved: Mapping[str, Any], index: _ParamIndex) -> dict[str, Any]
     """A saved param group with ``params`` the optimizer's keys of its names, sorted as FSDP1 writes them."""
     return {**_hyper_parameters(saved), "params": sorted(index.key_of[index.param_of_fqn[name]]
                                                          for name in saved["params"])}
+
+
+def _engine_input(optim_input: OptimInput, translation: _optim_views.Translation | None) -> OptimInput:
+    """``optim_input`` (parameters or parameter groups) in the engine's parameters."""
+    if optim_input is None or translation is None:
+        return optim_input
+    given: list[Any] = list(optim_input)
+    if given and isinstance(given[0], dict):
+        return [{**group, "params": translation.engine_params(group["params"])} for group in given]
+    return translation.engine_params(given)
+
+
+def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *,
+            optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_export_engine` in the engine's layout (FSDP1's plain parameters translated: ``_optim_views``)."""
+    optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None  # read twice
+    with _optim_views.engine_layout(model, optim, optim_input) as translation:
+        if translation is not None and translation.active and source is not None:
+            source = translation.engine_source(source)
+        return _export_engine(model, optim, source, optim_input=_engine_input(optim_input, translation), **kwargs)
+
+
+def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_import_engine` in the engine's layout; the result keyed and laid out as ``optim`` holds it
+    (without an optimizer: as ``optim_input``, else ``model.parameters()``, orders them)."""
+    optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None
+    with _optim_views.engine_layout(model, optim, optim_input) as translation:
+        engine_input = _engine_input(optim_input, translation)
+        if translation is not None and engine_input is None and not isinstance(optim, torch.optim.Optimizer):
+            engine_input = translation.engine_params(translation.params)  # model.parameters()'s order
+        result = _import_engine(model, optim, osd, optim_input=engine_input, **kwargs)
+    return result if translation is None or not translation.active else translation.plain_result(result)
 
 
 # State kinds: what an optimizer keeps per parameter, so that a loaded state can always be stepped.

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _engine_flat
 from ._tensor_layout import shard_like
 
 # Weak on the parameter: a strong one would keep each unit's full tensors alive after sharding.
@@ -60,6 +61,9 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
             current = param
             while current in _replaced:  # a replacement may have been replaced since (rewrapping)
                 current = _replaced[current]
+            view = _engine_flat.view_of_sharded(current)
+            if view is not None:  # FSDP1's plain local-shard view shows that DTensor now
+                current = view
             if current is param:
                 continue
             params[index] = current
@@ -71,6 +75,9 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def _moved_state(state: dict[str, Any], new: torch.Tensor) -> dict[str, Any]:
     """A replaced parameter's state (stepped before wrapping) in ``new``'s layout: per-element
     tensors cut to this rank's shard (no communication), the rest kept."""
+    view_of = _engine_flat.sharded_of_view(new) if isinstance(new, nn.Parameter) else None
+    if view_of is not None:  # FSDP1's plain local-shard view: the state of its 1-D local piece
+        return {key: _engine_flat.as_plain_value(value) for key, value in _moved_state(state, view_of).items()}
     if not isinstance(new, DTensor):
         return state
     return {key: shard_like(value.to(new.dtype) if value.is_floating_point() else value, new)

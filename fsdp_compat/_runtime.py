@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _engine, _mixed_precision
+from . import _engine, _engine_flat, _mixed_precision
 from ._collectives import all_ranks_agree
 from ._tensor_layout import gather_full_tensors, shard_like
 from ._common import TrainingState, warn_once
@@ -28,6 +28,7 @@ from .api import ShardingStrategy
 def root_pre_forward(root: UnitState, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     units = units_in(root.wrapper)  # walked once per step, shared by the steps below
+    _engine_flat.writeback(unit.module for unit in units)  # users' edits on plain views reach the engine
     # FSDP1 runs a forward inside summon_full_params, but reshards the parameters under the open
     # context and trains wrongly afterwards; a clear error is better.
     if any(unit.training_state == TrainingState.SUMMON_FULL_PARAMS for unit in units):
@@ -118,7 +119,11 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
                              "would flip the gradients' sign")
         if not norm_type > 0:
             raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
-    grads = [param.grad for param in unit.wrapper.parameters() if param.grad is not None]
+    # The engine's DTensor gradients (sharded ones are counted once per shard group); plain views and flat
+    # parameters alias them, so clipping those clips these.
+    engine_grads, shown = _engine_flat.engine_grads(engine_unit.module for engine_unit in units_in(unit.wrapper))
+    grads = [*engine_grads, *(param.grad for param in unit.wrapper.parameters()
+                              if param.grad is not None and id(param) not in shown)]
     total = _total_norm(grads, norm_type, unit.compute_device)
     if unit.cpu_offload.offload_params:
         total = total.cpu()
@@ -239,22 +244,26 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                 raise AssertionError("Cannot manually unshard parameters during forward/backward; call "
                                      "summon_full_params() before the forward or after the backward")
     summoned: list[_SummonedParam] = []
-    try:
-        with contextlib.ExitStack() as hooks_suspended:
+    # The engine's DTensors registered throughout (plain views come back after the restore below), but
+    # where a rank keeps its shards (``rank0_only``): there the user sees its plain views, as in FSDP1.
+    _engine_flat.writeback(unit.module for unit in units)
+    with _engine_flat.engine_params(unit.module for unit in units if not (rank0_only and unit.rank != 0)):
+        try:
+            with contextlib.ExitStack() as hooks_suspended:
+                for unit in units:
+                    unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+                    keep_shards = rank0_only and unit.rank != 0
+                    _summon_unit(unit, keep_shards, offload_to_cpu, with_grads, summoned)
+                    if not keep_shards:
+                        # A forward of the inner modules (``generate`` on ``model.module``) runs on
+                        # the full parameters in their own precision, as in FSDP1.
+                        hooks_suspended.enter_context(_engine.forward_hooks_suspended(unit.module))
+                yield
+        finally:
+            for item in summoned:
+                item.restore(writeback, with_grads)
             for unit in units:
-                unit.training_state = TrainingState.SUMMON_FULL_PARAMS
-                keep_shards = rank0_only and unit.rank != 0
-                _summon_unit(unit, keep_shards, offload_to_cpu, with_grads, summoned)
-                if not keep_shards:
-                    # A forward of the inner modules (``generate`` on ``model.module``) runs on
-                    # the full parameters in their own precision, as in FSDP1.
-                    hooks_suspended.enter_context(_engine.forward_hooks_suspended(unit.module))
-            yield
-    finally:
-        for item in summoned:
-            item.restore(writeback, with_grads)
-        for unit in units:
-            unit.training_state = TrainingState.IDLE
+                unit.training_state = TrainingState.IDLE
 
 
 def register_comm_hook(root: UnitState, state: object, hook: Callable[..., Any]) -> None:

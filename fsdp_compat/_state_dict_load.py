@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _engine, _flat_checkpoint
+from . import _engine, _engine_flat, _flat_checkpoint
 from ._collectives import all_ranks_agree
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
@@ -97,7 +97,8 @@ def _load_inside_plain_module(wrapper: nn.Module, state_dict: dict[str, Any], pr
     if root is None:
         return
     ours = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict) if key.startswith(prefix)}
-    result = load_state_dict(root, ours, strict=False)
+    with _engine_flat.engine_params(unit.module for unit in units_in(wrapper)):  # plain views: the DTensors
+        result = load_state_dict(root, ours, strict=False)
     missing_keys.extend(prefix + key for key in result.missing_keys)
     unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
 

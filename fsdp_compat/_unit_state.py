@@ -33,7 +33,8 @@ class UnitState:
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
-    use_orig_params: bool  # decides only FSDP1 checkpoint layouts: parameters are always the originals
+    use_orig_params: bool  # FSDP1 checkpoint layouts; with plain views (dtensor_params False) also views vs flat
+    dtensor_params: bool  # the engine's DTensor parameters shown, not FSDP1's plain local views (_engine_flat)
     sync_module_states: bool
     ignored_modules: set[nn.Module]
     ignored_params: set[nn.Parameter]

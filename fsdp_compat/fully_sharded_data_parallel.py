@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
@@ -13,7 +14,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _engine, _flat_param_view, _mixed_precision, _optim_state, _orig_params, _runtime, _state_dict
+from . import (_engine, _engine_flat, _flat_param_view, _mixed_precision, _optim_state, _orig_params, _runtime,
+               _state_dict)
 from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, clean_name, warn_once
 from ._engine import flatten_mesh
 from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_module, check_not_shared_with_another_root,
@@ -32,6 +34,10 @@ __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 # ``reshard_after_forward=None`` for these (False for the others): the engine reshards after forward
 # but keeps the root unsharded (it is needed again at once in backward), as FSDP1 does.
 _RESHARDING = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+# What ``dtensor_params=None`` means: ``True``, the engine's sharded DTensor parameters (FSDP2's model), unless
+# ``FSDP_COMPAT_DTENSOR_PARAMS=0``: FSDP1's plain local-shard views (README, "What a parameter is").
+DTENSOR_PARAMS: bool = os.environ.get("FSDP_COMPAT_DTENSOR_PARAMS", "1") != "0"
 
 
 class _OnState:
@@ -81,14 +87,17 @@ def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShar
     return wrapper
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
     """Drop-in replacement for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1).
 
     Same constructor, attributes, names and methods as FSDP1; torch's per-parameter FSDP2 engine
     shards, communicates, prefetches and reshards. Differences from FSDP1:
 
-    * Parameters are always the original ones (sharded ``DTensor``), whatever ``use_orig_params``
-      says (no ``FlatParameter``); ``named_parameters()`` gives FSDP1's prefixed original names.
+    * With ``dtensor_params`` (keyword-only, default ``None``: ``True`` unless ``FSDP_COMPAT_DTENSOR_PARAMS=0``)
+      parameters are the original ones (sharded ``DTensor``), whatever ``use_orig_params`` says;
+      ``named_parameters()`` gives FSDP1's prefixed original names. ``dtensor_params=False`` gives FSDP1's
+      parameter model: plain 1-D local-shard views, or one flat parameter per unit for
+      ``use_orig_params=False``, in the engine's layout (README, "What a parameter is").
     * A meta-device model is materialised in module order: the same seed gives eager construction's values.
     * ``limit_all_gathers=False`` and ``backward_prefetch`` other than ``BACKWARD_PRE`` warn once:
       the engine always rate-limits all-gathers and prefetches the next unit in backward.
@@ -114,6 +123,8 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
         device_mesh: DeviceMesh | None = None,
+        *,
+        dtensor_params: bool | None = None,
     ) -> None:
         _engine.log_api_usage("fsdp_compat.FullyShardedDataParallel")
         super().__init__()
@@ -122,76 +133,86 @@ class FullyShardedDataParallel(nn.Module):
         # The parameter objects before wrapping: optimizers built on them are re-pointed at
         # their replacements (meta materialisation, sharding) at their next step.
         original_params = _orig_params.param_slots(module)
-        if process_group is not None and device_mesh is not None:
-            raise ValueError("Cannot pass both process_group and device_mesh at the same time. "
-                             "Please just pass only one of them.")
-        strategy = coerce_enum(sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD,
-                               ShardingStrategy, "sharding_strategy")
-        cpu_offload = CPUOffload() if cpu_offload is None else coerce_config(cpu_offload, CPUOffload, "cpu_offload")
-        if mixed_precision is not None:
-            mixed_precision = coerce_config(mixed_precision, MixedPrecision, "mixed_precision")
-        if backward_prefetch is not None:
-            backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
-        _warn_about_moot_options(bool(limit_all_gathers), backward_prefetch)
-        ignored_modules, ignored_params = resolve_ignored_states(module, ignored_modules, ignored_states)
-        check_not_shared_with_another_root(module, ignored_params)
-        compute_device = resolve_device(device_id, process_group)
-        mesh = build_mesh(strategy, process_group, device_mesh, compute_device)
-        # Sharding over a one-rank shard group (the process group, or the intra-node one for hybrid
-        # strategies) replicates: FSDP1 switches to NO_SHARD, whatever the world size.
-        requested, strategy = strategy, ShardingStrategy.NO_SHARD if mesh.size(mesh.ndim - 1) == 1 else strategy
-        self.__dict__[STATE_ATTR] = state = UnitState(
-            wrapper=self, sharding_strategy=strategy, cpu_offload=cpu_offload, mixed_precision=mixed_precision,
-            backward_prefetch=backward_prefetch, forward_prefetch=bool(forward_prefetch),
-            limit_all_gathers=bool(limit_all_gathers), use_orig_params=bool(use_orig_params),
-            sync_module_states=bool(sync_module_states), ignored_modules=ignored_modules,
-            ignored_params=ignored_params, compute_device=compute_device, device_mesh=mesh,
-            device_mesh_given=device_mesh is not None)
+        nested_units = [unit.module for unit in units_in(module)]
+        # Construction (of this unit, its children, the rank-0 sync) reads nested units' parameters as the
+        # engine's DTensors; the units show their plain local-shard views once the outermost one is built.
+        with _engine_flat.engine_params(nested_units), _engine_flat.constructing(module):
+            if process_group is not None and device_mesh is not None:
+                raise ValueError("Cannot pass both process_group and device_mesh at the same time. "
+                                 "Please just pass only one of them.")
+            strategy = coerce_enum(sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD,
+                                   ShardingStrategy, "sharding_strategy")
+            cpu_offload = CPUOffload() if cpu_offload is None else coerce_config(cpu_offload, CPUOffload, "cpu_offload")
+            if mixed_precision is not None:
+                mixed_precision = coerce_config(mixed_precision, MixedPrecision, "mixed_precision")
+            if backward_prefetch is not None:
+                backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+            _warn_about_moot_options(bool(limit_all_gathers), backward_prefetch)
+            ignored_modules, ignored_params = resolve_ignored_states(module, ignored_modules, ignored_states)
+            check_not_shared_with_another_root(module, ignored_params)
+            compute_device = resolve_device(device_id, process_group)
+            mesh = build_mesh(strategy, process_group, device_mesh, compute_device)
+            # Sharding over a one-rank shard group (the process group, or the intra-node one for hybrid
+            # strategies) replicates: FSDP1 switches to NO_SHARD, whatever the world size.
+            requested, strategy = strategy, ShardingStrategy.NO_SHARD if mesh.size(mesh.ndim - 1) == 1 else strategy
+            self.__dict__[STATE_ATTR] = state = UnitState(
+                wrapper=self, sharding_strategy=strategy, cpu_offload=cpu_offload, mixed_precision=mixed_precision,
+                backward_prefetch=backward_prefetch, forward_prefetch=bool(forward_prefetch),
+                limit_all_gathers=bool(limit_all_gathers), use_orig_params=bool(use_orig_params),
+                dtensor_params=DTENSOR_PARAMS if dtensor_params is None else bool(dtensor_params),
+                sync_module_states=bool(sync_module_states), ignored_modules=ignored_modules,
+                ignored_params=ignored_params, compute_device=compute_device, device_mesh=mesh,
+                device_mesh_given=device_mesh is not None)
 
-        materializer = MetaMaterializer(compute_device, ignored_modules, param_init_fn)
-        if auto_wrap_policy is not None:
-            child_kwargs = dict(  # the strategy asked for: FSDP1's children each decide (and warn) themselves
-                sharding_strategy=requested, cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
-                mixed_precision=mixed_precision, device_id=device_id, sync_module_states=state.sync_module_states,
-                forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params, device_mesh=state.device_mesh, param_init_fn=param_init_fn)
-            individually_wrapped = _mixed_precision.prepare_individually_wrapped(module, mixed_precision)
-            targets = plan_wrapping(module, auto_wrap_policy, ignored_modules, ignored_params, child_kwargs,
-                                    individually_wrapped)
-            # A meta-device model is materialised module by module in pre-order while each planned
-            # unit is sharded as soon as its subtree is ready: besides the root's own states, at most
-            # one unit is ever unsharded.
-            apply_wrapping(module, targets, functools.partial(_wrap_child, state),
-                           before_visit=materializer.materialize_own_states)
-        _warn_about_no_shard(requested, state)  # after the children's, as in FSDP1
-        materializer.materialize_unit(module)
-        if state.sync_module_states:
-            broadcast_from_rank0(module, state.device_mesh, ignored_modules, ignored_params)
+            materializer = MetaMaterializer(compute_device, ignored_modules, param_init_fn)
+            if auto_wrap_policy is not None:
+                child_kwargs = dict(  # the strategy asked for: FSDP1's children each decide (and warn) themselves
+                    sharding_strategy=requested, cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
+                    mixed_precision=mixed_precision, device_id=device_id, sync_module_states=state.sync_module_states,
+                    forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+                    use_orig_params=use_orig_params, device_mesh=state.device_mesh, param_init_fn=param_init_fn,
+                    dtensor_params=state.dtensor_params)
+                individually_wrapped = _mixed_precision.prepare_individually_wrapped(module, mixed_precision)
+                targets = plan_wrapping(module, auto_wrap_policy, ignored_modules, ignored_params, child_kwargs,
+                                        individually_wrapped)
+                # A meta-device model is materialised module by module in pre-order while each planned
+                # unit is sharded as soon as its subtree is ready: besides the root's own states, at most
+                # one unit is ever unsharded.
+                apply_wrapping(module, targets, functools.partial(_wrap_child, state),
+                               before_visit=materializer.materialize_own_states)
+            _warn_about_no_shard(requested, state)  # after the children's, as in FSDP1
+            materializer.materialize_unit(module)
+            if state.sync_module_states:
+                broadcast_from_rank0(module, state.device_mesh, ignored_modules, ignored_params)
 
-        self._fsdp_wrapped_module = module
-        for nested in units_in(module):
-            nested.is_root = False
-        # FSDP1 records these per unit, with clean names relative to the unit, before any cast.
-        state.buffer_name_to_orig_dtype = {clean_name(name): buffer.dtype for name, buffer in self.named_buffers()}
-        register_load_hooks(self)
-        # FSDP1 lets a policy wrap a ModuleList whose children are all wrapped (the wrapper is then
-        # only iterated, never called); the engine refuses such containers, and with no parameters
-        # of their own they need no engine unit.
-        if not is_forwardless_container(module, ignored_params):
-            _engine.apply_engine(
-                module,
-                # NO_SHARD replicates over every rank of the mesh: a hybrid strategy switched to it
-                # (one-rank shard groups) still averages gradients over the replicas, where FSDP1
-                # all-reduces over the one-rank group only (README, "Differences from torch FSDP1").
-                mesh=flatten_mesh(state.device_mesh) if strategy == ShardingStrategy.NO_SHARD else state.device_mesh,
-                replicate_only=strategy == ShardingStrategy.NO_SHARD,
-                reshard_after_forward=None if strategy in _RESHARDING else False,
-                mp_policy=_mixed_precision.engine_policy(state.mixed_precision),
-                offload_policy=_mixed_precision.engine_offload_policy(state.cpu_offload, compute_device),
-                ignored_params=ignored_params,
-            )
-            remember_sharded(module)
-        _mixed_precision.init_unit(state)
+            self._fsdp_wrapped_module = module
+            for nested in units_in(module):
+                nested.is_root = False
+            # FSDP1 records these per unit, with clean names relative to the unit, before any cast.
+            state.buffer_name_to_orig_dtype = {clean_name(name): buffer.dtype for name, buffer in self.named_buffers()}
+            register_load_hooks(self)
+            # FSDP1 lets a policy wrap a ModuleList whose children are all wrapped (the wrapper is then
+            # only iterated, never called); the engine refuses such containers, and with no parameters
+            # of their own they need no engine unit.
+            if not is_forwardless_container(module, ignored_params):
+                _engine.apply_engine(
+                    module,
+                    # NO_SHARD replicates over every rank of the mesh: a hybrid strategy switched to it
+                    # (one-rank shard groups) still averages gradients over the replicas, where FSDP1
+                    # all-reduces over the one-rank group only (README, "Differences from torch FSDP1").
+                    mesh=(flatten_mesh(state.device_mesh) if strategy == ShardingStrategy.NO_SHARD
+                          else state.device_mesh),
+                    replicate_only=strategy == ShardingStrategy.NO_SHARD,
+                    reshard_after_forward=None if strategy in _RESHARDING else False,
+                    mp_policy=_mixed_precision.engine_policy(state.mixed_precision),
+                    offload_policy=_mixed_precision.engine_offload_policy(state.cpu_offload, compute_device),
+                    ignored_params=ignored_params,
+                )
+                remember_sharded(module)
+            _mixed_precision.init_unit(state)
+            if not state.dtensor_params:
+                _engine_flat.install(module, flat_mode=not state.use_orig_params)
+                _flat_param_view.flat_params(state)  # described (``_fqns``...) before anyone reads them
         _orig_params.remember_replacements(original_params)
 
     # FSDP1's attributes, which third-party code reads on the wrapper, held by its unit state.
@@ -240,7 +261,9 @@ class FullyShardedDataParallel(nn.Module):
     # FSDP1's private flat-parameter names, which third-party code (accelerate) reads: views of
     # this unit's own sharded parameters, honouring the dtype upcast clients write (``_flat_param_view``).
     _has_params = property(lambda self: _flat_param_view.has_params(self._unit))
-    _flat_param = _handle = property(lambda self: _flat_param_view.flat_param(self._unit))
+    _flat_param = property(lambda self: _flat_param_view.flat_param(self._unit))
+    _handle = property(lambda self: _flat_param_view.handle(self._unit))
+    params = property(lambda self: _flat_param_view.params(self._unit))
 
     def check_is_root(self) -> bool:
         """Whether this instance is a root (no enclosing ``FullyShardedDataParallel``)."""
@@ -302,12 +325,18 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, Any]:
         """The model state in the current state-dict type, with FSDP1's clean keys."""
-        return _state_dict.state_dict(self._unit, *args, destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
+        with _engine_flat.engine_params(self._engine_units()):
+            return _state_dict.state_dict(self._unit, *args, destination=destination, prefix=prefix,
+                                          keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict of the current type; on any error the model is left unchanged."""
-        return _state_dict.load_state_dict(self._unit, state_dict, strict=strict, assign=assign)
+        with _engine_flat.engine_params(self._engine_units()):
+            return _state_dict.load_state_dict(self._unit, state_dict, strict=strict, assign=assign)
+
+    def _engine_units(self) -> list[nn.Module]:
+        """The engine units in this wrapper's tree (itself included)."""
+        return [unit.module for unit in units_in(self)]
 
     summon_full_params = staticmethod(_runtime.summon_full_params)
 

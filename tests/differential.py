@@ -118,10 +118,23 @@ def reference_run(optimizer_name: str, steps: int, seed: int = 0) -> tuple[list[
     return losses, {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
 
 
+def _shows_local_shards(model: nn.Module) -> bool:
+    """An fsdp_compat model with FSDP1's plain local-shard parameters (``dtensor_params=False``)."""
+    return (any(isinstance(unit, fsdp_compat.FullyShardedDataParallel) for unit in model.modules())
+            and not any(isinstance(param, DTensor) for param in model.parameters()))
+
+
+def _summoner(model: nn.Module) -> Any:
+    """The ``summon_full_params`` that shows ``model``'s full parameters, or ``None`` (DTensors: gathered)."""
+    if HAVE_FSDP1 and isinstance(model, TorchFSDP):
+        return TorchFSDP.summon_full_params
+    return fsdp_compat.FullyShardedDataParallel.summon_full_params if _shows_local_shards(model) else None
+
+
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Clean FQN -> full parameter value (gathered), for any of the three kinds of model."""
-    if HAVE_FSDP1 and isinstance(model, TorchFSDP):
-        with TorchFSDP.summon_full_params(model):
+    if (summon := _summoner(model)) is not None:
+        with summon(model):
             return {clean_name(n): p.detach().cpu().clone() for n, p in model.named_parameters()}
     result = {}
     for name, param in model.named_parameters():
@@ -132,8 +145,8 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Clean FQN -> full gradient (gathered; FSDP1 needs ``use_orig_params=True``); no-grad params left out."""
-    if HAVE_FSDP1 and isinstance(model, TorchFSDP):
-        with TorchFSDP.summon_full_params(model, with_grads=True, writeback=False):
+    if (summon := _summoner(model)) is not None:
+        with summon(model, with_grads=True, writeback=False):
             return {clean_name(n): p.grad.detach().cpu().clone()
                     for n, p in model.named_parameters() if p.grad is not None}
     result = {}

@@ -53,6 +53,7 @@ class Setup:
     tiny: bool = False                 # a ~2k-parameter TinyGPT (golden checkpoints stay small)
     cpu_offload: bool = False          # CPUOffload(offload_params=True) (fsdp_compat only on CPU)
     mixed_precision: bool = False      # bf16 compute, fp32 reduction
+    dtensor_params: bool = True        # fsdp_compat's parameter model (False: FSDP1's plain / flat views)
 
     @property
     def name(self) -> str:
@@ -98,6 +99,8 @@ def wrap(wrapper_class: type, model: nn.Module, setup: Setup, group: Any = None)
         use_orig_params=setup.use_orig_params,
         sharding_strategy=getattr(api.ShardingStrategy, setup.strategy),
     )
+    if api is fsdp_compat:
+        kwargs["dtensor_params"] = setup.dtensor_params
     if setup.model == "ignored":
         kwargs["ignored_modules"] = [model.blocks[1].mlp]
     if setup.hybrid:

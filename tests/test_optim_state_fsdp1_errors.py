@@ -133,8 +133,10 @@ def _with_changed_step(osd: dict[str, Any]) -> dict[str, Any]:
     return changed
 
 
-def _load_error(wrapper_class: type, use_orig_params: bool, load: str) -> dict[str, str]:
-    model, optim = build(wrapper_class, Setup(use_orig_params=use_orig_params))
+def _load_error(wrapper_class: type, use_orig_params: bool, load: str, dtensor_params: bool = False) -> dict[str, str]:
+    """What loading a state with one unit's ``step``s differing raises; fsdp_compat with FSDP1's flat
+    parameters unless ``dtensor_params`` (FSDP1 ignores it)."""
+    model, optim = build(wrapper_class, Setup(use_orig_params=use_orig_params, dtensor_params=dtensor_params))
     diff.train(model, optim, 2)
     kind, call = LOADS[load]
     changed = _with_changed_step(_save(wrapper_class, model, optim, kind))
@@ -149,7 +151,8 @@ def _load_error(wrapper_class: type, use_orig_params: bool, load: str) -> dict[s
 @pytest.mark.parametrize("use_orig_params", [False, True])
 @distributed_test(world_size=2)
 def test_one_units_parameters_with_differing_steps_load_as_in_fsdp1(use_orig_params, load):
-    """``use_orig_params=False``: FSDP1's ``ValueError`` and message; ``True``: loaded, as FSDP1."""
+    """``use_orig_params=False`` (flat parameters, ``dtensor_params=False``): FSDP1's ``ValueError`` and
+    message; ``True``: loaded, as FSDP1."""
     diff.quiet()
     ours = _load_error(FSDP, use_orig_params, load)
     expected = diff.fsdp1_value(GOLDEN, diff.golden_key("load-scalar-state", use_orig_params, load),
@@ -164,12 +167,21 @@ def test_one_units_parameters_with_differing_steps_load_as_in_fsdp1(use_orig_par
         assert SCALAR_STATE in ours["message"]
 
 
+@pytest.mark.parametrize("load", list(LOADS))
+@distributed_test(world_size=2)
+def test_differing_steps_load_per_parameter_with_dtensor_parameters(load):
+    """With the engine's DTensor parameters every parameter keeps its own ``step`` (one unused on some
+    steps lags behind its unit's, in our own checkpoints too), so such a state loads (README)."""
+    diff.quiet()
+    assert _load_error(FSDP, False, load, dtensor_params=True)["type"] == "no error"
+
+
 @distributed_test(world_size=2)
 def test_differing_steps_on_one_rank_only_raise_everywhere_and_load_nowhere():
     """Rank 1's dict alone has the inconsistent unit: every rank raises ``ValueError`` (rank 1 with
     FSDP1's text, the others naming rank 1 and repeating it) and no optimizer changes."""
     diff.quiet()
-    model, optim = build(FSDP, Setup(use_orig_params=False))
+    model, optim = build(FSDP, Setup(use_orig_params=False, dtensor_params=False))
     diff.train(model, optim, 2)
     good = full_state(model, optim)
     bad = _with_changed_step(good) if dist.get_rank() == 1 else good

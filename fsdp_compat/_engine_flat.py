@@ -1,0 +1,592 @@
+"""FSDP1's parameter model on the engine's storage: plain local-shard views, the engine's DTensors kept inside.
+
+FSDP1 never shows a ``DTensor``: outside forward and backward every parameter a user reaches is a plain
+tensor holding this rank's shard (``use_orig_params=True``: a 1-D view into the unit's flat local shard).
+The engine keeps each parameter's local rows in its own padded 1-D buffer (``FSDPParam._sharded_param_data``)
+behind a sharded ``DTensor``. Per unit and dtype, :class:`LocalShards` copies those buffers into one flat
+buffer, points the engine's storage at slices of it, and registers, wherever the engine would register its
+sharded ``DTensor`` (after init, after each reshard), a plain ``nn.Parameter`` viewing this rank's unpadded
+piece. The layout is the engine's: each parameter's dim-0 chunk (``ceil(rows / world)`` rows, padded with
+zeros on the ranks whose chunk is short), concatenated in the engine's order. FSDP1 splits the concatenation
+evenly instead; :attr:`LocalShards.shard_infos` describe ours truthfully.
+
+Gradients follow the same layout: after the root's post-backward (the engine's final callback) each view's
+``.grad`` is a 1-D view into one flat local gradient per unit and dtype, which is also the engine's sharded
+gradient (so the next backward accumulates into it). Writes reach the engine: in-place updates alias its
+storage; a replaced ``.data`` or ``.grad``, or ``.grad = None``, is written back (:meth:`LocalShards.writeback`)
+before the next forward and before any internal entry point reads the engine's parameters
+(:func:`engine_params`). Where the engine re-allocates its storage (``reset_sharded_param`` after ``_apply``,
+``load_state_dict(assign=True)``, dtype changes, meta-device materialisation) the flat buffer is rebuilt
+and the views re-pointed (:meth:`LocalShards.follow`), each view keeping its identity.
+
+Torch-private names used here (``tests/test_engine_flat.py`` fails when a torch upgrade moves them):
+``FSDPParam._sharded_param_data``, ``padded_sharded_param_size``, ``sharded_size``, ``sharded_state``,
+``_setattr_on_modules``, ``reset_sharded_param``, ``to_sharded_dtensor``, ``_module_info``;
+``DTensor._local_tensor``; ``FSDPState._root_post_backward_final_callback`` and ``_state_ctx.all_states``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _engine
+
+_ATTR = "_fsdp_compat_local_shards"  # on the engine's FSDPState: its unit's LocalShards
+# view -> the engine's sharded DTensor it shows (weak on the view: the entry goes with it).
+_sharded_of_view: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The reverse, by the DTensor's id (a weak reference to it would make ``swap_tensors`` refuse it: ``_apply``);
+# a stale id is harmless, the lookup confirms. Flat mode: no entry (its views are no parameters).
+_view_of_sharded: dict[int, weakref.ref[nn.Parameter]] = {}
+_flat_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat parameter -> (LocalShards, buffer index)
+_constructing = 0  # wrappers being built: until the outermost is, the engine's DTensors stay registered
+
+ENGINE_NAMES = {
+    FSDPParam: ("_setattr_on_modules", "reset_sharded_param", "to_sharded_dtensor"),
+    _engine.FSDPState: ("_root_post_backward_final_callback",),
+}
+
+
+@dataclasses.dataclass(eq=False)
+class ShardParamInfo:
+    """FSDP1's ``_ShardParamInfo``: where one parameter's piece lies in this rank's flat shard."""
+
+    in_shard: bool
+    offset_in_shard: int | None  # into the flat shard (its dtype's buffer)
+    numel_in_shard: int | None
+    intra_param_start_idx: int | None  # into the flattened full parameter, inclusive
+    intra_param_end_idx: int | None  # inclusive, as FSDP1's
+
+
+@dataclasses.dataclass(eq=False)
+class _Piece:
+    """One engine parameter: its slice of its dtype's flat buffer and the plain view over it."""
+
+    fsdp_param: FSDPParam
+    buffer: int  # index into LocalShards.flats
+    offset: int
+    padded_numel: int
+    numel: int  # this rank's unpadded elements
+    view: nn.Parameter
+    data: torch.Tensor | None = None  # the slice handed to the engine as ``_sharded_param_data``
+    sharded: Any = None  # the engine's sharded DTensor parameter at the last (re)build
+    local: torch.Tensor | None = None  # and its local tensor
+
+
+def _check_supported(fsdp_param: FSDPParam) -> None:
+    if fsdp_param.fsdp_placement.dim != 0 or fsdp_param.is_dtensor or hasattr(
+            _local(fsdp_param.sharded_param), "fsdp_pre_all_gather"):
+        raise ValueError(  # before anything changed: the wrapper is not built
+            f"Plain local-shard parameters need the engine's default layout (Shard(0) over plain tensors); "
+            f"{fsdp_param._param_fqn or 'a parameter'} is sharded otherwise. Pass dtensor_params=True to "
+            "keep the engine's DTensor parameters")
+
+
+class LocalShards:
+    """One unit's flat local shard(s) (one per dtype) and the plain parameter views over them."""
+
+    def __init__(self, module: nn.Module, flat_mode: bool = False) -> None:
+        self.module = module
+        # ``use_orig_params=False``: the module tree's parameters are the flat ones (registered on ``module``
+        # as ``_flat_param``), each original slot a plain tensor attribute viewing its piece.
+        self.flat_mode = flat_mode
+        self.fsdp_params: list[FSDPParam] = _engine.managed_params(module)
+        for fsdp_param in self.fsdp_params:
+            _check_supported(fsdp_param)
+        self.engine_depth = 0  # >0: the engine's DTensors stay registered (internal entry points)
+        self.flats: list[torch.Tensor] = []
+        self.grad_flats: list[torch.Tensor | None] = []
+        self.pieces: list[_Piece] = []
+        self.flat_params: list[nn.Parameter] = []
+        self._build()
+        for piece in self.pieces:
+            self._intercept(piece)
+        state = _engine.engine_state(module)
+        setattr(state, _ATTR, self)
+        _sync_grads_after_backward(cast(_engine.FSDPState, state))
+
+    # ---- layout ----
+
+    def _build(self) -> None:
+        """(Re)build the flat buffers from the engine's sharded parameters' local tensors (the truth the
+        engine re-pads from, also between ``_apply`` and ``reset_sharded_param``) and point it at slices."""
+        old = {id(piece.fsdp_param): piece for piece in self.pieces}
+        locals_ = [_local(fsdp_param.sharded_param) for fsdp_param in self.fsdp_params]
+        dtypes = list(dict.fromkeys(local.dtype for local in locals_))
+        self.flats, self.grad_flats, pieces = [], [], []
+        for index, dtype in enumerate(dtypes):
+            members = [(p, local) for p, local in zip(self.fsdp_params, locals_) if local.dtype == dtype]
+            sizes = [math.prod(p.padded_sharded_param_size) for p, _ in members]
+            source = members[0][1]
+            pinned = source.device.type == "cpu" and not source.is_meta and source.is_pinned()
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=source.device, pin_memory=pinned)
+            offset = 0
+            for (fsdp_param, local), padded in zip(members, sizes):
+                numel = local.numel()
+                with torch.no_grad():
+                    flat[offset:offset + numel].copy_(local.reshape(-1))
+                previous = old.get(id(fsdp_param))
+                view = previous.view if previous is not None else nn.Parameter(
+                    flat[offset:offset + numel], requires_grad=fsdp_param.sharded_param.requires_grad)
+                pieces.append(_Piece(fsdp_param, index, offset, padded, numel, view))
+                offset += padded
+            self.flats.append(flat)
+            self.grad_flats.append(None)
+        order = {id(p): i for i, p in enumerate(self.fsdp_params)}
+        self.pieces = sorted(pieces, key=lambda piece: order[id(piece.fsdp_param)])
+        for piece in self.pieces:
+            self._repoint(piece)
+        if len(self.flat_params) != len(self.flats):
+            self.flat_params = []
+        for param, flat in zip(self.flat_params, self.flats):  # same objects over the new buffers
+            param.data = flat
+
+    def _repoint(self, piece: _Piece) -> None:
+        fsdp_param = piece.fsdp_param
+        data = self.flats[piece.buffer][piece.offset:piece.offset + piece.padded_numel]
+        rows = fsdp_param.sharded_size[0] if piece.numel > 0 else 0
+        fsdp_param._sharded_param_data = data
+        local = data.view(fsdp_param.padded_sharded_param_size).narrow(0, 0, rows)
+        cast(Any, fsdp_param.sharded_param)._local_tensor = local
+        piece.data, piece.sharded, piece.local = data, fsdp_param.sharded_param, local
+        _sharded_of_view[piece.view] = fsdp_param.sharded_param
+        if not self.flat_mode:
+            _view_of_sharded[id(fsdp_param.sharded_param)] = weakref.ref(piece.view)
+        target = data[:piece.numel]
+        if piece.view.data_ptr() != target.data_ptr() or piece.view.dtype != target.dtype or piece.numel == 0:
+            piece.view.data = target
+        piece.view.requires_grad_(fsdp_param.sharded_param.requires_grad)
+        if getattr(fsdp_param.sharded_param, "grad_dtype", "absent") is None:  # keep_low_precision_grads
+            piece.view.grad_dtype = None
+
+    def _grad_slice(self, piece: _Piece, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``piece``'s slice of its flat gradient, in ``dtype`` (default: the buffer's, else the parameter's:
+        ``keep_low_precision_grads`` keeps gradients in another dtype than the parameters)."""
+        flat = self.grad_flats[piece.buffer]
+        if flat is None or (dtype is not None and flat.dtype != dtype):
+            flat = self._new_grad_flat(piece.buffer, dtype or self.flats[piece.buffer].dtype)
+        return flat[piece.offset:piece.offset + piece.numel]
+
+    def _new_grad_flat(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate buffer ``buffer``'s flat gradient in ``dtype``, the gradients already there carried over."""
+        old = self.grad_flats[buffer]
+        flat = self.grad_flats[buffer] = torch.zeros_like(self.flats[buffer], dtype=dtype)
+        if old is not None:
+            flat.copy_(old)
+            for piece in self.pieces:
+                if piece.buffer == buffer and piece.view.grad is not None:
+                    self._set_engine_grad(piece, flat[piece.offset:piece.offset + piece.numel])
+                    piece.view.grad = flat[piece.offset:piece.offset + piece.numel]
+        return flat
+
+    def follow(self) -> None:
+        """Rebuild when the engine re-allocated a parameter's storage (views keep their identity)."""
+        if any(piece.fsdp_param._sharded_param_data is not piece.data or piece.fsdp_param.sharded_param
+               is not piece.sharded or _local(piece.sharded) is not piece.local for piece in self.pieces):
+            grads = [(piece, piece.fsdp_param.sharded_param.grad) for piece in self.pieces]
+            self._build()
+            for piece, grad in grads:
+                piece.view.grad = None
+                if grad is not None:
+                    self._set_engine_grad(piece, _local(grad))
+                    piece.view.grad = self._grad_slice(piece, grad.dtype)
+                else:
+                    piece.fsdp_param.sharded_param.grad = None
+
+    # ---- registration ----
+
+    def _intercept(self, piece: _Piece) -> None:
+        """Per instance: the engine's registrations of its sharded DTensor register the view instead,
+        and ``reset_sharded_param`` (which reads the module slot) sees the DTensor."""
+        fsdp_param = piece.fsdp_param
+        setattr_on_modules = fsdp_param._setattr_on_modules
+        reset_sharded_param = fsdp_param.reset_sharded_param
+
+        def register(param: nn.Parameter) -> None:
+            if param is fsdp_param.sharded_param and self.engine_depth == 0 and not _constructing:
+                self._register_view(piece, setattr_on_modules)
+            else:
+                _drop_plain_attributes(fsdp_param)
+                setattr_on_modules(param)
+
+        def reset() -> None:
+            showing_view = self._shows_view(piece)
+            if showing_view:
+                _drop_plain_attributes(fsdp_param)
+                setattr_on_modules(fsdp_param.sharded_param)
+            reset_sharded_param()
+            self.follow()
+            if showing_view and self.engine_depth == 0 and not _constructing:
+                self._register_view(piece, setattr_on_modules)
+
+        fsdp_param._setattr_on_modules = register  # type: ignore[method-assign]
+        fsdp_param.reset_sharded_param = reset  # type: ignore[method-assign]
+
+    def _register_view(self, piece: _Piece, setattr_on_modules: Any) -> None:
+        """What the user sees in ``piece``'s slots: its view as the parameter, or (flat mode) as a plain
+        tensor attribute, the unit's flat parameters being the module tree's parameters."""
+        if not self.flat_mode:
+            setattr_on_modules(piece.view)
+            return
+        plain = piece.view.data  # one object for every slot: a tied weight stays one tensor
+        for module, name in _slots(piece.fsdp_param):
+            module._parameters.pop(name, None)
+            module.__dict__[name] = plain
+
+    def _shows_view(self, piece: _Piece) -> bool:
+        if not self.flat_mode:
+            return _slot_value(piece.fsdp_param) is piece.view
+        module, name = _slots(piece.fsdp_param)[0]
+        return name in module.__dict__ and name not in module._parameters
+
+    def show(self) -> None:
+        """Register in the module slots what the user should see: the views (sharded units only); in flat
+        mode, the flat parameters on the unit's module."""
+        for piece in self.pieces:
+            if piece.fsdp_param.sharded_state == ShardedState.SHARDED:
+                piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
+        if self.flat_mode:
+            self._ensure_flat_params()
+            for index, param in enumerate(self.flat_params):
+                self.module._parameters[_flat_name(index)] = param
+
+    def hide(self) -> None:
+        """The engine's DTensors in every slot showing a view; flat parameters unregistered."""
+        for index in range(len(self.flats)):
+            self.module._parameters.pop(_flat_name(index), None)
+        for piece in self.pieces:
+            if self._shows_view(piece):
+                piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
+
+    # ---- writes in both directions ----
+
+    def _set_engine_grad(self, piece: _Piece, values: torch.Tensor) -> None:
+        """The engine's sharded gradient becomes (a DTensor over) ``piece``'s gradient slice holding ``values``."""
+        target = self._grad_slice(piece, values.dtype)
+        if values.data_ptr() != target.data_ptr() or piece.numel == 0:
+            with torch.no_grad():
+                target.copy_(values.reshape(-1))
+        fsdp_param = piece.fsdp_param
+        fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(target.view(fsdp_param.sharded_size))
+
+    @torch.no_grad()
+    def writeback(self) -> None:
+        """What the user changed on a view (``.data`` replaced, ``.grad`` replaced or ``None``,
+        ``requires_grad``) reaches the engine."""
+        self.absorb_flat_writes()
+        if self.flat_mode:
+            self._flat_grads_to_views()
+        for piece in self.pieces:
+            view, sharded = piece.view, piece.fsdp_param.sharded_param
+            target = cast(torch.Tensor, piece.data)[:piece.numel]
+            if piece.numel and (view.data_ptr() != target.data_ptr() or view.dtype != target.dtype):
+                if view.numel() != piece.numel:
+                    raise ValueError(f"A parameter's local shard has {piece.numel} elements here; its .data was "
+                                     f"replaced by one of shape {tuple(view.shape)}. Assign a tensor of the shard's "
+                                     "size (or copy_ into it)")
+                target.copy_(view.detach().reshape(-1))
+                view.data = target
+            if sharded.requires_grad != view.requires_grad:
+                sharded.requires_grad_(view.requires_grad)
+            grad = view.grad
+            if grad is None:
+                sharded.grad = None
+                continue
+            engine_grad = sharded.grad
+            if (engine_grad is None or grad.data_ptr() != _local(engine_grad).data_ptr()
+                    or piece.numel == 0):
+                self._set_engine_grad(piece, grad)
+                view.grad = self._grad_slice(piece, grad.dtype)
+
+    def _flat_grads_to_views(self) -> None:
+        """Flat mode: the flat parameters' ``.grad`` (``None``, the flat gradient, or one the user
+        assigned) decides the pieces' gradients."""
+        for index, param in enumerate(self.flat_params):
+            members = [piece for piece in self.pieces if piece.buffer == index]
+            grad = param.grad
+            if grad is None:
+                for piece in members:
+                    piece.view.grad = None
+                continue
+            flat = self.grad_flats[index]
+            if flat is None or grad.data_ptr() != flat.data_ptr() or grad.dtype != flat.dtype:
+                flat = self._new_grad_flat(index, grad.dtype)
+                flat.copy_(grad)
+                param.grad = flat
+            for piece in members:
+                piece.view.grad = flat[piece.offset:piece.offset + piece.numel]
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """After backward: each view's ``.grad`` a view of the flat local gradient, which is the engine's."""
+        for piece in self.pieces:
+            grad = piece.fsdp_param.sharded_param.grad
+            if grad is None:
+                piece.view.grad = None
+                continue
+            target = self._grad_slice(piece, grad.dtype)
+            if _local(grad).data_ptr() != target.data_ptr() or piece.numel == 0:
+                self._set_engine_grad(piece, _local(grad))
+            if piece.view.grad is None or piece.view.grad.data_ptr() != target.data_ptr() or piece.numel == 0:
+                piece.view.grad = target
+        if self.flat_mode:
+            for index, param in enumerate(self.flat_params):
+                members = [piece for piece in self.pieces if piece.buffer == index]
+                flat = self.grad_flats[index]
+                if flat is None or all(piece.view.grad is None for piece in members):
+                    param.grad = None
+                    continue
+                for piece in members:  # no gradient this time: zeros in the flat gradient, as FSDP1
+                    if piece.view.grad is None:
+                        flat[piece.offset:piece.offset + piece.numel].zero_()
+                param.grad = flat
+
+    # ---- FSDP1's flat-parameter description ----
+
+    def shard_infos(self) -> list[ShardParamInfo]:
+        """Each parameter's :class:`ShardParamInfo` in this rank's flat shard, in the engine's order."""
+        infos = []
+        for piece in self.pieces:
+            fsdp_param = piece.fsdp_param
+            if piece.numel == 0:
+                infos.append(ShardParamInfo(False, None, None, None, None))
+                continue
+            start = _shard_rank(fsdp_param) * piece.padded_numel  # rank r holds the r-th padded chunk
+            infos.append(ShardParamInfo(True, piece.offset, piece.numel, start, start + piece.numel - 1))
+        return infos
+
+    def flat_parameters(self) -> list[nn.Parameter]:
+        """One plain ``nn.Parameter`` per dtype buffer, the buffer itself (FSDP1's ``FlatParameter``):
+        writes reach the engine; its ``.grad`` is the flat local gradient after backward."""
+        self.follow()
+        self.writeback()
+        self._ensure_flat_params()
+        for index, param in enumerate(self.flat_params):
+            with_grad = [piece for piece in self.pieces if piece.buffer == index and piece.view.grad is not None]
+            param.grad = self.grad_flats[index] if with_grad else None
+        return self.flat_params
+
+    def _ensure_flat_params(self) -> None:
+        """The flat parameter objects exist, each over its current buffer (identity kept)."""
+        if len(self.flat_params) != len(self.flats):
+            self.flat_params = [nn.Parameter(flat, requires_grad=False) for flat in self.flats]
+            for index, param in enumerate(self.flat_params):
+                _flat_owner[param] = (weakref.ref(self), index)  # weak: the entry must not keep the unit
+        for index, (param, flat) in enumerate(zip(self.flat_params, self.flats)):
+            if param.data_ptr() != flat.data_ptr() or param.dtype != flat.dtype or param.shape != flat.shape:
+                param.data = flat
+            members = [piece for piece in self.pieces if piece.buffer == index]
+            param.requires_grad_(any(piece.view.requires_grad for piece in members))
+
+    def absorb_flat_writes(self) -> None:
+        """A flat parameter whose ``.data`` was replaced (same size): its values written to the engine."""
+        for param, flat in zip(self.flat_params, self.flats):
+            if param.data_ptr() != flat.data_ptr() and param.shape == flat.shape:
+                with torch.no_grad():
+                    flat.copy_(param.detach())
+                param.data = flat
+
+    def buffer_of(self) -> list[int]:
+        """Each parameter's dtype buffer (index into :meth:`flat_parameters`), in the engine's order."""
+        return [piece.buffer for piece in self.pieces]
+
+    def views(self) -> list[nn.Parameter]:
+        return [piece.view for piece in self.pieces]
+
+    def sharded_of(self) -> dict[int, DTensor]:
+        """id(view) -> the engine's sharded DTensor parameter it shows."""
+        return {id(piece.view): cast(DTensor, piece.fsdp_param.sharded_param) for piece in self.pieces}
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    """A sharded DTensor's local tensor (no autograd node, unlike ``to_local()``)."""
+    return cast(torch.Tensor, tensor._local_tensor)
+
+
+def _shard_rank(fsdp_param: FSDPParam) -> int:
+    mesh_info: Any = fsdp_param.mesh_info
+    return int(getattr(mesh_info, "shard_mesh_rank", 0))
+
+
+def _flat_name(index: int) -> str:
+    return "_flat_param" if index == 0 else f"_flat_param_{index}"  # FSDP1's name; one per extra dtype
+
+
+def _slots(fsdp_param: FSDPParam) -> list[tuple[nn.Module, str]]:
+    info = fsdp_param._module_info
+    return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+
+
+def _drop_plain_attributes(fsdp_param: FSDPParam) -> None:
+    """Flat mode's plain tensor attributes removed: they would hide what the engine registers next."""
+    for module, name in _slots(fsdp_param):
+        if name not in module._parameters:
+            module.__dict__.pop(name, None)
+
+
+def _slot_value(fsdp_param: FSDPParam) -> Any:
+    info = fsdp_param._module_info
+    return info.module._parameters.get(info.param_name)
+
+
+def _sync_grads_after_backward(state: _engine.FSDPState) -> None:
+    """Wrap ``state``'s final backward callback (whichever unit's runs, it ends the whole root's backward):
+    then every unit's views show the sharded parameters and gradients."""
+    callback = state._root_post_backward_final_callback
+
+    def callback_then_sync() -> None:
+        callback()
+        for each in state._state_ctx.all_states or [state]:
+            shards = getattr(each, _ATTR, None)
+            if shards is not None:
+                shards.follow()
+                shards.sync_grads()
+                shards.show()
+
+    state._root_post_backward_final_callback = callback_then_sync  # type: ignore[method-assign]
+
+
+def local_shards(module: nn.Module) -> LocalShards | None:
+    """The :class:`LocalShards` of the engine unit ``module``, or ``None`` (DTensor parameters)."""
+    return getattr(_engine.engine_state(module), _ATTR, None)
+
+
+def install(module: nn.Module, flat_mode: bool = False) -> LocalShards | None:
+    """Give the engine unit ``module`` plain local-shard views (no-op without managed parameters); with
+    ``flat_mode`` (FSDP1's ``use_orig_params=False``) its parameters are its flat local shards."""
+    if not _engine.managed_params(module):
+        return None
+    return local_shards(module) or LocalShards(module, flat_mode)
+
+
+@contextlib.contextmanager
+def constructing(module: nn.Module) -> Iterator[None]:
+    """Building a wrapper around ``module``: once the outermost is built, every unit in it shows its views."""
+    global _constructing
+    _constructing += 1
+    try:
+        yield
+    finally:
+        _constructing -= 1
+    if not _constructing:
+        for sub in module.modules():
+            if (shards := local_shards(sub)) is not None and shards.engine_depth == 0:
+                shards.show()
+
+
+def writeback(modules: Iterable[nn.Module]) -> None:
+    """Write the users' changes on the views of the units ``modules`` to the engine."""
+    for module in modules:
+        if (shards := local_shards(module)) is not None:
+            shards.follow()
+            shards.writeback()
+
+
+def engine_grads(modules: Iterable[nn.Module]) -> tuple[list[torch.Tensor], set[int]]:
+    """The engine's sharded gradients of the units ``modules`` that show plain views (users' changes
+    written back first), and the ids of the parameters those units show (views, flat parameters)."""
+    grads: list[torch.Tensor] = []
+    shown: set[int] = set()
+    for module in modules:
+        if (shards := local_shards(module)) is None:
+            continue
+        shards.follow()
+        shards.writeback()
+        shown.update(id(param) for param in (*shards.views(), *shards.flat_params))
+        grads += [grad for piece in shards.pieces if (grad := piece.fsdp_param.sharded_param.grad) is not None]
+    return grads, shown
+
+
+@contextlib.contextmanager
+def engine_params(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """The engine's DTensor parameters registered in the units ``modules`` for the duration (the
+    users' changes written back first), for entry points that read module slots; the views after."""
+    all_shards = [shards for module in modules if (shards := local_shards(module)) is not None]
+    for shards in all_shards:
+        shards.follow()
+        shards.writeback()
+        shards.engine_depth += 1
+        shards.hide()
+    try:
+        yield
+    finally:
+        for shards in all_shards:
+            shards.engine_depth -= 1
+            shards.follow()
+            if shards.engine_depth == 0:
+                shards.sync_grads()
+                shards.show()
+
+
+class EngineParamsOnApply(nn.Module):
+    """A module whose ``_apply`` (``.to()``, ``.double()``, ``to_empty()``...) runs on the engine's DTensor
+    parameters of every unit inside it (the engine re-pads them; the views then follow)."""
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with engine_params(self.modules()):
+            return super()._apply(fn, *args, **kwargs)
+
+
+# ---- optimizer state: plain 1-D local tensors outside, the engine's DTensor layout inside ----
+
+
+def views_to_sharded(modules: Iterable[nn.Module]) -> dict[int, tuple[nn.Parameter, DTensor]]:
+    """id(view) -> (view, the engine's sharded DTensor it shows), over the units ``modules``."""
+    found: dict[int, tuple[nn.Parameter, DTensor]] = {}
+    for module in modules:
+        if (shards := local_shards(module)) is not None:
+            found.update((id(piece.view), (piece.view, cast(DTensor, piece.fsdp_param.sharded_param)))
+                         for piece in shards.pieces)
+    return found
+
+
+def flat_pieces(param: Any) -> list[tuple[nn.Parameter, DTensor, int, int]] | None:
+    """For a flat parameter (``use_orig_params=False``): ``(view, sharded DTensor, offset, numel)`` of each
+    parameter it holds, in its layout; ``None`` for any other tensor."""
+    found = _flat_owner.get(param) if isinstance(param, torch.Tensor) else None
+    if found is None:
+        return None
+    reference, index = found
+    shards = reference()
+    if shards is None:
+        return None
+    return [(piece.view, cast(DTensor, piece.fsdp_param.sharded_param), piece.offset, piece.numel)
+            for piece in shards.pieces if piece.buffer == index]
+
+
+def view_of_sharded(param: Any) -> nn.Parameter | None:
+    """The plain view (``use_orig_params=True``) showing the engine's sharded parameter ``param``, or ``None``."""
+    reference = _view_of_sharded.get(id(param))
+    view = reference() if reference is not None else None
+    return view if view is not None and _sharded_of_view.get(view) is param else None
+
+
+def sharded_of_view(param: nn.Parameter) -> DTensor | None:
+    """The engine's sharded DTensor a plain local-shard view shows, or ``None`` for other parameters."""
+    return cast(DTensor | None, _sharded_of_view.get(param))
+
+
+def as_engine_value(value: Any, view: nn.Parameter, sharded: DTensor) -> Any:
+    """A view's per-element optimizer state (1-D, the view's shape) as a DTensor in ``sharded``'s layout
+    (no copy); anything else (``step``, non-tensors) as it is."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0 \
+            or value.shape != view.shape:
+        return value
+    return _engine.dtensor_like(value.reshape(_local(sharded).shape), sharded)
+
+
+def as_plain_value(value: Any) -> Any:
+    """A per-element DTensor optimizer state as the plain 1-D local tensor a view's state is (no copy)."""
+    if isinstance(value, DTensor) and value.dim() > 0:
+        return _local(value).reshape(-1)
+    return value

@@ -1,0 +1,212 @@
+"""The optimizer state-dict family over FSDP1's plain parameters (``dtensor_params=False``).
+
+The family (``_optim_state``) works in one layout: the engine's sharded ``DTensor`` parameters, with
+per-element state as ``DTensor``s of the same layout. With plain local-shard parameters an optimizer holds
+1-D views (``use_orig_params=True``) or one flat parameter per unit (``False``), and plain 1-D state. For
+the duration of one call, :func:`engine_layout` puts the model and the optimizer in the engine's layout
+(the same memory, no copy: a flat parameter stands for its pieces), and :class:`Translation` converts what
+crosses the boundary: a user-given ``optim.state_dict()`` in, a state to load out (plain 1-D local tensors,
+keyed by the optimizer's own positions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import _engine, _engine_flat, _orig_params
+
+Piece = tuple[nn.Parameter, Any, int, int]  # (view, sharded DTensor, offset in the flat param, numel)
+
+
+@dataclasses.dataclass
+class Translation:
+    """How the optimizer's parameters map onto the engine's: ``pieces[i]`` for its ``i``-th parameter."""
+
+    params: list[nn.Parameter]  # the optimizer's parameters, in position order (before)
+    pieces: list[list[Piece] | None]  # each one's engine pieces (``None``: stays itself)
+    flat: list[bool]  # whether it is a flat parameter (several pieces, sliced state)
+
+    @property
+    def active(self) -> bool:
+        return any(pieces is not None for pieces in self.pieces)
+
+    def engine_params(self, params: Iterable[Any]) -> list[Any]:
+        """``params`` with every view or flat parameter replaced by its engine pieces."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        out: list[Any] = []
+        for param in params:
+            pieces = self.pieces[index[id(param)]] if id(param) in index else _pieces_of(param)
+            out += [piece[1] for piece in pieces] if pieces is not None else [param]
+        return out
+
+    def new_positions(self) -> list[list[int]]:
+        """For each old position, its positions among the engine's parameters."""
+        positions, counter = [], 0
+        for pieces in self.pieces:
+            count = len(pieces) if pieces is not None else 1
+            positions.append(list(range(counter, counter + count)))
+            counter += count
+        return positions
+
+    def engine_state(self, param_state: Mapping[str, Any], old: int) -> list[dict[str, Any]]:
+        """One old parameter's state as its pieces' states (per-element tensors sliced and wrapped)."""
+        pieces = self.pieces[old]
+        if pieces is None:
+            return [dict(param_state)]
+        flat_shape = self.params[old].shape
+        states = []
+        for view, sharded, offset, numel in pieces:
+            state = {}
+            for name, value in param_state.items():
+                if self.flat[old] and torch.is_tensor(value) and value.dim() > 0 and value.shape == flat_shape:
+                    value = value[offset:offset + numel]
+                state[name] = _engine_flat.as_engine_value(value, view, sharded)
+            states.append(state)
+        return states
+
+    def engine_source(self, source: Mapping[str, Any]) -> Mapping[str, Any]:
+        """A user-taken ``optim.state_dict()`` (keyed by position) in the engine's layout and positions."""
+        positions = self.new_positions()
+        state: dict[Any, Any] = {}
+        for key, param_state in source["state"].items():
+            if not isinstance(key, int) or key >= len(self.params):
+                state[key] = param_state
+                continue
+            state.update(zip(positions[key], self.engine_state(param_state, key)))
+        groups = [{**group, "params": [new for old in group["params"] for new in positions[old]]}
+                  for group in source.get("param_groups", [])]
+        return {**source, "state": state, **({"param_groups": groups} if "param_groups" in source else {})}
+
+    def plain_result(self, result: dict[str, Any]) -> dict[str, Any]:
+        """A state to load (keyed by engine positions, DTensor values) keyed by the optimizer's own
+        positions, with plain 1-D local values (a flat parameter's assembled from its pieces)."""
+        if any(isinstance(key, str) for key in result["state"]) or not any(self.flat):
+            # Keyed by names (``is_named_optimizer``), or views one-to-one with the engine's parameters:
+            # the same keys; only the values change layout. (Named keys of flat parameters stay per piece.)
+            return self._plain_values(result)
+        positions = self.new_positions()
+        old_of = {new: old for old, news in enumerate(positions) for new in news}
+        state: dict[Any, Any] = {}
+        for old, news in enumerate(positions):
+            found = [result["state"][new] for new in news if new in result["state"]]
+            if not found:
+                continue
+            if not self.flat[old]:
+                state[old] = {name: _engine_flat.as_plain_value(v) for name, v in found[0].items()}
+                continue
+            state[old] = self._flat_state(old, [(piece, result["state"].get(new))
+                                                for piece, new in zip(self.pieces[old] or [], news)])
+        for key, value in result["state"].items():  # entries of no parameter pass through
+            if key not in old_of:
+                state[key] = value
+        groups = [{**group, "params": sorted({old_of[new] for new in group["params"]})}
+                  for group in result["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    @staticmethod
+    def _plain_values(result: dict[str, Any]) -> dict[str, Any]:
+        state = {key: {name: _engine_flat.as_plain_value(value) for name, value in param_state.items()}
+                 if isinstance(param_state, dict) else param_state for key, param_state in result["state"].items()}
+        return {**result, "state": state}
+
+    def restore_state(self, optim: torch.optim.Optimizer) -> None:
+        """``optim.state`` (in the engine's layout) re-keyed by the optimizer's own parameters, plain."""
+        current = dict(optim.state)
+        optim.state.clear()
+        for old, (param, pieces) in enumerate(zip(self.params, self.pieces)):
+            if pieces is None:
+                if param in current:
+                    optim.state[param] = current.pop(param)
+                continue
+            states = [(piece, current.pop(piece[1], None)) for piece in pieces]
+            if all(state is None for _, state in states):
+                continue
+            if self.flat[old]:
+                optim.state[param] = self._flat_state(old, states)
+            else:
+                optim.state[param] = {name: _engine_flat.as_plain_value(value)
+                                      for name, value in (states[0][1] or {}).items()}
+        optim.state.update(current)  # entries of no parameter
+
+    def _flat_state(self, old: int, pieces: list[tuple[Piece, Any]]) -> dict[str, Any]:
+        """A flat parameter's state from its pieces': per-element ones concatenated in its layout (its
+        padding zeros), others (``step``) the first piece's."""
+        flat = self.params[old]
+        state: dict[str, Any] = {}
+        for (_, _, offset, numel), piece_state in pieces:
+            for name, value in (piece_state or {}).items():
+                plain = _engine_flat.as_plain_value(value)
+                if torch.is_tensor(plain) and plain.dim() > 0:
+                    if name not in state:
+                        state[name] = torch.zeros(flat.numel(), dtype=plain.dtype, device=plain.device)
+                    state[name][offset:offset + numel].copy_(plain)
+                else:
+                    state.setdefault(name, plain)
+        return state
+
+
+def _pieces_of(param: Any) -> list[Piece] | None:
+    flat = _engine_flat.flat_pieces(param)
+    if flat is not None:
+        return flat
+    sharded = _engine_flat.sharded_of_view(param) if isinstance(param, nn.Parameter) else None
+    return [(param, sharded, 0, param.numel())] if sharded is not None else None
+
+
+def _has_local_shards(model: nn.Module) -> bool:
+    return bool(_engine_flat.views_to_sharded(model.modules()))
+
+
+@contextlib.contextmanager
+def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iterator[Translation | None]:
+    """For the duration: ``model`` shows the engine's DTensors and ``optim`` holds them, its state as
+    DTensors over the same memory; yields the :class:`Translation` (``None``: DTensor parameters) of the
+    optimizer's parameters, else of ``optim_input``'s (a list), else of ``model.parameters()``."""
+    if not _has_local_shards(model):
+        yield None
+        return
+    is_optimizer = isinstance(optim, torch.optim.Optimizer)
+    if is_optimizer:
+        _orig_params.rebind_optimizer(optim)  # built before wrapping: first onto the views
+        params = [p for group in optim.param_groups for p in group["params"]]
+    elif optim_input is not None:
+        params = [p for item in optim_input for p in (item["params"] if isinstance(item, dict) else [item])]
+    else:
+        params = list(model.parameters())
+    pieces = [_pieces_of(param) for param in params]
+    translation = Translation(params, pieces, [_engine_flat.flat_pieces(p) is not None for p in params])
+    with _engine_flat.engine_params(model.modules()):
+        if not is_optimizer or not translation.active:
+            yield translation
+            return
+        saved_groups = [list(group["params"]) for group in optim.param_groups]
+        saved_state = dict(optim.state)
+        position = {id(p): i for i, p in enumerate(params)}
+        for group in optim.param_groups:
+            group["params"] = translation.engine_params(group["params"])
+        optim.state.clear()
+        for param, param_state in saved_state.items():
+            old = position.get(id(param))
+            if old is None or pieces[old] is None:
+                optim.state[param] = param_state
+                continue
+            for piece, state in zip(pieces[old] or [], translation.engine_state(param_state, old)):
+                optim.state[piece[1]] = state
+        try:
+            yield translation
+        finally:
+            for group, saved in zip(optim.param_groups, saved_groups):
+                group["params"] = saved
+            # What the optimizer holds now (also a state loaded meanwhile, torch's ``set_state_dict``), back
+            # in the views' plain layout.
+            translation.restore_state(optim)
+
+
+
+_engine.set_dcp_optimizer_layout(engine_layout)  # torch's get_state_dict / set_state_dict: the same layout
