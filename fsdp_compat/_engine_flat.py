@@ -86,7 +86,7 @@ class _Piece:
 def _check_supported(fsdp_param: FSDPParam) -> None:
     if fsdp_param.fsdp_placement.dim != 0 or fsdp_param.is_dtensor or hasattr(
             _local(fsdp_param.sharded_param), "fsdp_pre_all_gather"):
-        raise ValueError(  # before anything changed: the wrapper is not built
+        raise ValueError(
             f"Plain local-shard parameters need the engine's default layout (Shard(0) over plain tensors); "
             f"{fsdp_param._param_fqn or 'a parameter'} is sharded otherwise. Pass dtensor_params=True to "
             "keep the engine's DTensor parameters")
