@@ -9,6 +9,8 @@ optimizers, ``num_params()``); the oracle is torch FSDP1 running the same code (
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -297,6 +299,18 @@ def test_flat_parameter_is_the_unit_flat_shard_and_its_grad_the_flat_gradient():
             assert torch.equal(flat[start:start + info.numel_in_shard], param)
 
 
+def assert_same_local_values(mine: Any, value: Any, what: Any) -> None:
+    """Same kind (plain, DTensor or ShardedTensor), same layout, and this rank's values equal."""
+    assert type(mine) is type(value), what
+    if isinstance(value, DTensor):
+        assert mine.placements == value.placements and torch.equal(mine.to_local(), value.to_local()), what
+    elif type(value).__name__ == "ShardedTensor":
+        assert mine.metadata() == value.metadata(), what
+        assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(mine.local_shards(), value.local_shards())), what
+    else:
+        assert torch.equal(mine, value), what
+
+
 def _adamw_state_after_training(dtensor_params: bool, state_dict_type: str) -> tuple[FSDP, torch.optim.Optimizer,
                                                                                    dict]:
     model = _wrap("FULL_SHARD", dtensor_params=dtensor_params)
@@ -320,11 +334,7 @@ def test_optimizer_state_is_plain_and_saves_as_with_dtensor_parameters(state_dic
     assert list(ours["state"]) == list(expected["state"])
     for name, state in expected["state"].items():
         for key, value in state.items():
-            mine = ours["state"][name][key]
-            if isinstance(value, DTensor):
-                assert isinstance(mine, DTensor) and torch.equal(mine.to_local(), value.to_local()), (name, key)
-            else:
-                assert torch.equal(mine, value), (name, key)
+            assert_same_local_values(ours["state"][name][key], value, (name, key))
 
 
 @pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
@@ -422,9 +432,7 @@ def test_flat_parameter_optimizer_state_saves_as_with_dtensor_parameters_and_res
     assert list(ours["state"]) == list(expected["state"])
     for name, state in expected["state"].items():
         for key, value in state.items():
-            mine = ours["state"][name][key]
-            local = (lambda t: t.to_local() if isinstance(t, DTensor) else t)
-            assert torch.equal(local(mine), local(value)), (name, key)
+            assert_same_local_values(ours["state"][name][key], value, (name, key))
     expected_losses = diff.train(model, optimizer, 2, first_step=2)  # the last (plain) run, uninterrupted
     resumed = _wrap_flat()
     FSDP.set_state_dict_type(resumed, kind)
