@@ -49,6 +49,9 @@ _sharded_of_view: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # a stale id is harmless, the lookup confirms. Flat mode: no entry (its views are no parameters).
 _view_of_sharded: dict[int, weakref.ref[nn.Parameter]] = {}
 _flat_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat parameter -> (LocalShards, buffer index)
+# Flat mode's sharded DTensors, by id (as above; the lookup confirms) -> their unit's LocalShards: hidden
+# behind the flat parameters, no optimizer's to step.
+_hidden_in_flat: dict[int, weakref.ref[LocalShards]] = {}
 _constructing = 0  # wrappers being built: until the outermost is, the engine's DTensors stay registered
 
 ENGINE_NAMES = {
@@ -162,6 +165,8 @@ class LocalShards:
         _sharded_of_view[piece.view] = fsdp_param.sharded_param
         if not self.flat_mode:
             _view_of_sharded[id(fsdp_param.sharded_param)] = weakref.ref(piece.view)
+        else:
+            _hidden_in_flat[id(fsdp_param.sharded_param)] = weakref.ref(self)
         target = data[:piece.numel]
         if piece.view.data_ptr() != target.data_ptr() or piece.view.dtype != target.dtype or piece.numel == 0:
             piece.view.data = target
@@ -569,6 +574,13 @@ def view_of_sharded(param: Any) -> nn.Parameter | None:
     reference = _view_of_sharded.get(id(param))
     view = reference() if reference is not None else None
     return view if view is not None and _sharded_of_view.get(view) is param else None
+
+
+def hidden_in_flat_parameter(param: Any) -> bool:
+    """Whether ``param`` is the engine's DTensor of a unit with flat parameters (``use_orig_params=False``)."""
+    reference = _hidden_in_flat.get(id(param)) if isinstance(param, DTensor) else None
+    shards = reference() if reference is not None else None
+    return shards is not None and any(piece.fsdp_param.sharded_param is param for piece in shards.pieces)
 
 
 def sharded_of_view(param: nn.Parameter) -> DTensor | None:

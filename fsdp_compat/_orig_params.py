@@ -64,6 +64,11 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
             view = _engine_flat.view_of_sharded(current)
             if view is not None:  # FSDP1's plain local-shard view shows that DTensor now
                 current = view
+            elif _engine_flat.hidden_in_flat_parameter(current):
+                # FSDP1's flat parameters replace the originals: an optimizer built on those before
+                # wrapping steps nothing (FSDP1's behaviour; README, limits). Re-pointing it at the
+                # hidden DTensors would step them behind the flat parameters' back.
+                continue
             if current is param:
                 continue
             params[index] = current

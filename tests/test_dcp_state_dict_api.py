@@ -242,7 +242,8 @@ def full_checkpoint_through_dtensor_branch(clean_names: bool) -> None:
 
     writer, _ = trained(FSDP)
     checkpoint = full_state(writer)  # FSDP1's FULL state dict: clean keys
-    reader = make(FSDP, seed=1, use_orig_params=True)
+    # Lightning takes this branch only on seeing DTensor parameters (plain ones: its FSDP1 branch).
+    reader = make(FSDP, seed=1, use_orig_params=True, dtensor_params=True)
     load_like_lightning_dtensor_branch(reader, checkpoint, clean_names)
     after = full_state(reader)
     for key, value in checkpoint.items():

@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import fsdp_compat
+import fsdp_compat.fully_sharded_data_parallel as fsdp_module
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat.sharded_grad_scaler import ShardedGradScaler
 from fsdp_compat.testing import distributed_test
@@ -44,14 +46,19 @@ def fp16_model(ours: bool = True, **kwargs) -> nn.Module:
         auto_wrap_policy=diff.block_policy_torch(), **wrapper_kwargs(ours), **kwargs)
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard: a DTensor's local tensor, a plain (local-shard) tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def scaled_step(model, optimizer, scaler, step: int, poison_rank: int | None = None) -> float:
     """One fp16 step; ``poison_rank`` puts an inf into its own local shard of one gradient."""
     tokens, targets = diff.local_batch(step)
     loss = diff.loss_fn(model, tokens, targets)
     scaler.scale(loss).backward()
     if poison_rank == dist.get_rank():
-        grad = next(p.grad for p in model.parameters() if p.grad is not None and p.grad.to_local().numel())
-        grad.to_local().view(-1)[0] = float("inf")
+        grad = next(p.grad for p in model.parameters() if p.grad is not None and local(p.grad).numel())
+        local(grad).view(-1)[0] = float("inf")
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad()
@@ -65,7 +72,7 @@ def same_on_all_ranks(value) -> bool:
 
 
 def local_shards(model: nn.Module) -> list[torch.Tensor]:
-    return [p.to_local().detach().clone() for p in model.parameters()]
+    return [local(p).detach().clone() for p in model.parameters()]
 
 
 def check_inf_on_one_rank(kind: str) -> None:
@@ -139,8 +146,9 @@ def test_scale_grows_identically_on_every_rank():
 
 @distributed_test(world_size=2)
 def test_plain_and_sharded_grads_together():
-    """Ignored parameters keep plain-tensor gradients next to DTensor ones; an inf in a plain
-    gradient on one rank still makes every rank skip."""
+    """Ignored parameters keep plain-tensor gradients next to the managed ones (DTensors, or plain
+    local shards with ``dtensor_params=False``); an inf in an ignored gradient on one rank still
+    makes every rank skip."""
     diff.quiet()
     model = diff.make_model()
     ignored = model.blocks[0].mlp.half()  # not managed, so not cast: it must already compute in fp16
@@ -150,7 +158,8 @@ def test_plain_and_sharded_grads_together():
     tokens, targets = diff.local_batch(0)
     scaler.scale(diff.loss_fn(wrapped, tokens, targets)).backward()
     kinds = {(type(p.grad).__name__, p.grad.dtype) for p in wrapped.parameters() if p.grad is not None}
-    assert kinds == {("DTensor", torch.float32), ("Tensor", torch.float16)}
+    managed = "DTensor" if fsdp_module.DTENSOR_PARAMS else "Tensor"
+    assert kinds == {(managed, torch.float32), ("Tensor", torch.float16)}
     if dist.get_rank() == 0:
         ignored.fc.weight.grad.view(-1)[0] = float("nan")
     before = [p.detach().clone() for p in wrapped.parameters()]

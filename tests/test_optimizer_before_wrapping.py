@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import fsdp_compat
+import fsdp_compat.fully_sharded_data_parallel as fsdp_module
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat.examples import Block
 from fsdp_compat.testing import distributed_test
@@ -62,13 +63,46 @@ def assert_trains_like_optimizer_built_after(strategy: str, nesting: str, use_or
         assert torch.equal(final[name], expected[name]), f"{name} differs ({what})"
 
 
+def _plain_flat_mode(use_orig_params: bool) -> bool:
+    """FSDP1's flat parameters (plain mode, ``use_orig_params=False``): the optimizer is not re-pointed."""
+    return not use_orig_params and not fsdp_module.DTENSOR_PARAMS
+
+
 @pytest.mark.parametrize("use_orig_params", [True, False])
 @distributed_test(world_size=2)
 def test_optimizer_built_before_wrapping_trains_like_one_built_after(use_orig_params):
     diff.quiet()
+    if _plain_flat_mode(use_orig_params):
+        pytest.skip("flat parameters: see test_flat_parameters_leave_an_optimizer_built_before_wrapping_idle")
     for strategy in STRATEGIES:
         for nesting in ("auto", "manual"):
             assert_trains_like_optimizer_built_after(strategy, nesting, use_orig_params)
+
+
+def _idle_optimizer_run(wrapper_class: type) -> dict[str, bool]:
+    """One step of an SGD built on the unwrapped model, then wrapped with flat parameters."""
+    model = diff.make_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = diff.fsdp1_kwargs() if wrapper_class is diff.TorchFSDP else {"dtensor_params": False}
+    policy = diff.block_policy_torch() if wrapper_class is diff.TorchFSDP else ModuleWrapPolicy({Block})
+    model = wrapper_class(model, auto_wrap_policy=policy, use_orig_params=False, **kwargs)
+    initial = diff.full_parameters(model)
+    diff.train(model, optimizer, 1)
+    after = diff.full_parameters(model)
+    return {"unchanged": all(torch.equal(initial[name], after[name]) for name in initial),
+            "no grads on its parameters": all(p.grad is None for g in optimizer.param_groups for p in g["params"])}
+
+
+@distributed_test(world_size=2)
+def test_flat_parameters_leave_an_optimizer_built_before_wrapping_idle():
+    """FSDP1's flat parameters (``dtensor_params=False``, ``use_orig_params=False``) replace the
+    originals: an optimizer built on them before wrapping gets no gradients and steps nothing, as
+    with FSDP1 (README, limits). Build it after wrapping, or use ``use_orig_params=True``."""
+    diff.quiet()
+    ours = _idle_optimizer_run(FSDP)
+    assert ours == {"unchanged": True, "no grads on its parameters": True}
+    if diff.HAVE_FSDP1:
+        assert _idle_optimizer_run(diff.TorchFSDP) == ours
 
 
 @distributed_test(world_size=2)
@@ -134,6 +168,8 @@ def test_meta_device_model_with_optimizer_built_before_wrapping_trains_like_one_
 @distributed_test(world_size=2)
 def test_optimizer_state_dict_family_accepts_an_optimizer_built_before_wrapping(use_orig_params):
     diff.quiet()
+    if _plain_flat_mode(use_orig_params):
+        pytest.skip("flat parameters: see test_flat_parameters_leave_an_optimizer_built_before_wrapping_idle")
     states = []
     for optimizer_first in (True, False):
         model = diff.make_model(0)

@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp_compat
+import fsdp_compat.fully_sharded_data_parallel as fsdp_module
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat.examples import Block, GPTConfig
 from fsdp_compat.testing import distributed_test
@@ -51,6 +52,15 @@ def _build(wrapper_class, strategy: str = "FULL_SHARD", model: nn.Module | None 
     return wrapper_class(model if model is not None else diff.make_model(),
                          sharding_strategy=fsdp_compat.ShardingStrategy[strategy], auto_wrap_policy=policy,
                          use_orig_params=True, **(diff.fsdp1_kwargs() if is_fsdp1 else {}), **kwargs)
+
+
+def _shows_shards(params) -> bool:
+    """What a model shows outside ``summon_full_params``: sharded DTensors (the default), or FSDP1's
+    plain 1-D local shards (``dtensor_params=False``)."""
+    params = list(params)
+    if fsdp_module.DTENSOR_PARAMS:
+        return all(isinstance(p, DTensor) for p in params)
+    return all(not isinstance(p, DTensor) and p.dim() == 1 for p in params)
 
 
 def _inside(model: nn.Module, wrapper_class=FSDP, **summon_kwargs) -> dict[str, torch.Tensor]:
@@ -182,8 +192,9 @@ def test_rank0_only_shows_full_parameters_on_rank_0_only(offload_to_cpu):
             diff.assert_close_dicts({n: p.detach() for n, p in inside.items()}, _reference_params(), rtol=0)
             assert all(p.device.type == "cpu" for p in inside.values()) or not offload_to_cpu
         else:
-            assert all(isinstance(p, DTensor) for p in inside.values())  # still its shards
-    assert all(isinstance(p, DTensor) for p in model.parameters())
+            assert _shows_shards(inside.values())  # still its shards
+            assert not any(_is_full(inside).values())
+    assert _shows_shards(model.parameters())
     if not offload_to_cpu:  # FSDP1's offload_to_cpu crashes on a CPU-only machine
         for fsdp1 in _fsdp1_classes():
             their_visible = _is_full(_inside(_build(fsdp1), fsdp1, rank0_only=True, writeback=False))
@@ -267,6 +278,9 @@ def test_gradient_edits_inside_with_grads_persist_where_fsdp1_keeps_them(strateg
     the unit's own, on every rank also under ``rank0_only``); so do we, value by value: the
     gradients, ``clip_grad_norm_``, an optimizer step."""
     diff.quiet()
+    if strategy == "NO_SHARD" and summon == "rank0_only" and not fsdp_module.DTENSOR_PARAMS:
+        pytest.xfail("plain mode shows NO_SHARD parameters as 1-D views outside summon_full_params; "
+                     "FSDP1 keeps their original shapes (rank 1 here sees 1-D gradients)")
     ours = _double_grads_inside(FSDP, strategy, summon)
     assert _persisted(ours) == (summon == "writeback" or strategy == "NO_SHARD")
     theirs: dict[str, object] = {}
@@ -572,7 +586,7 @@ def test_apply_runs_on_full_parameters_and_keeps_the_result(strategy):
     diff.quiet()
     model = _build(FSDP, strategy)
     assert model.apply(_shape_dependent_init) is model
-    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert _shows_shards(model.parameters())
     reference = diff.make_model().apply(_shape_dependent_init)
     diff.assert_close_dicts(diff.full_parameters(model), _reference_params(reference), rtol=0)
     losses = _train_losses(model)

@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp_compat
+import fsdp_compat.fully_sharded_data_parallel as fsdp_module
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat import wrap as our_wrap
 from fsdp_compat.examples import Block, GPTConfig, TinyGPT
@@ -98,7 +99,7 @@ def test_drop_in_script_with_torch_config_objects():
 @distributed_test(world_size=2)
 def test_parameter_names_match_fsdp1_with_orig_params():
     diff.quiet()
-    ours = FSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch())
+    ours = FSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True)
 
     def fsdp1_names():
         theirs = diff.TorchFSDP(diff.make_model(), auto_wrap_policy=diff.block_policy_torch(),
@@ -109,7 +110,8 @@ def test_parameter_names_match_fsdp1_with_orig_params():
     expected = diff.fsdp1_value("wrapper_names", diff.golden_key("block-policy"), fsdp1_names)
     for kind in ("parameters", "buffers", "modules"):
         assert [n for n, _ in getattr(ours, f"named_{kind}")()] == expected[kind], kind
-    assert all(isinstance(p, DTensor) for p in ours.parameters())
+    # The parameters under those names: sharded DTensors by default, FSDP1's plain local shards otherwise.
+    assert all(isinstance(p, DTensor) == fsdp_module.DTENSOR_PARAMS for p in ours.parameters())
 
 
 @distributed_test(world_size=2)
