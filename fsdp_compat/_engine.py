@@ -444,7 +444,7 @@ def _install_distributed_checkpoint_interop() -> bool:
     try:
         from torch.distributed.checkpoint import state_dict as dsd
         verify_options, get_fqns, info_class = dsd._verify_options, dsd._get_fqns, dsd._StateDictInfo
-        dsd._get_optim_state_dict, dsd._load_optim_state_dict  # noqa: B018 (wrapped below: must exist)
+        dsd._get_optim_state_dict, dsd._load_optim_state_dict, dsd._load_model_state_dict  # noqa: B018 (wrapped below)
     except (ImportError, AttributeError):  # pragma: no cover - depends on the torch version
         return False
     if "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}:
@@ -477,18 +477,37 @@ def _install_distributed_checkpoint_interop() -> bool:
         with _optimizers_in_layout(dsd, model, optimizers, (*args, *kwargs.values())):
             return load_optim(model, optimizers, *args, **kwargs)
 
-    for wrapped in (verify_options_publishing, get_fqns_without_wrappers, get_optim_in_layout, load_optim_in_layout):
+    load_model = dsd._load_model_state_dict
+
+    @functools.wraps(load_model)
+    def load_model_in_layout(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # It reads the model's parameters (``named_parameters``) for the local values to load into.
+        with contextlib.ExitStack() as stack:
+            for layout in _dcp_model_layout:
+                stack.enter_context(layout(model))
+            return load_model(model, *args, **kwargs)
+
+    for wrapped in (verify_options_publishing, get_fqns_without_wrappers, get_optim_in_layout, load_optim_in_layout,
+                    load_model_in_layout):
         setattr(wrapped, _INTEROP_MARK, True)
     dsd._verify_options = verify_options_publishing
     dsd._get_fqns = get_fqns_without_wrappers
     dsd._get_optim_state_dict = get_optim_in_layout
     dsd._load_optim_state_dict = load_optim_in_layout
+    dsd._load_model_state_dict = load_model_in_layout
     return True
 
 
-# How ``dsd`` sees a model's optimizers: FSDP1's plain parameters put them in the engine's DTensor layout
-# for the call (``_optim_views.engine_layout``, registered through :func:`set_dcp_optimizer_layout`).
+# How ``dsd`` sees a model and its optimizers: FSDP1's plain parameters put them in the engine's DTensor
+# layout for the call (``_engine_flat.engine_params`` and ``_optim_views.engine_layout``, registered through
+# :func:`set_dcp_model_layout` and :func:`set_dcp_optimizer_layout`).
+_dcp_model_layout: list[Callable[[nn.Module], contextlib.AbstractContextManager[Any]]] = []
 _dcp_optimizer_layout: list[Callable[[nn.Module, Any], contextlib.AbstractContextManager[Any]]] = []
+
+
+def set_dcp_model_layout(layout: Callable[[nn.Module], contextlib.AbstractContextManager[Any]]) -> None:
+    """Make torch's ``set_state_dict`` family load a model inside ``layout(model)``."""
+    _dcp_model_layout[:] = [layout]
 
 
 def set_dcp_optimizer_layout(layout: Callable[[nn.Module, Any], contextlib.AbstractContextManager[Any]]) -> None:

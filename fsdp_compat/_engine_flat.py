@@ -80,6 +80,7 @@ class _Piece:
     offset: int
     padded_numel: int
     numel: int  # this rank's unpadded elements
+    shape: tuple[int, ...]  # the view's: 1-D on sharded units, the parameter's own on replicated ones
     view: nn.Parameter
     data: torch.Tensor | None = None  # the slice handed to the engine as ``_sharded_param_data``
     sharded: Any = None  # the engine's sharded DTensor parameter at the last (re)build
@@ -138,10 +139,11 @@ class LocalShards:
                 numel = local.numel()
                 with torch.no_grad():
                     flat[offset:offset + numel].copy_(local.reshape(-1))
+                shape = _view_shape(fsdp_param, numel)
                 previous = old.get(id(fsdp_param))
                 view = previous.view if previous is not None else nn.Parameter(
-                    flat[offset:offset + numel], requires_grad=fsdp_param.sharded_param.requires_grad)
-                pieces.append(_Piece(fsdp_param, index, offset, padded, numel, view))
+                    flat[offset:offset + numel].view(shape), requires_grad=fsdp_param.sharded_param.requires_grad)
+                pieces.append(_Piece(fsdp_param, index, offset, padded, numel, shape, view))
                 offset += padded
             self.flats.append(flat)
             self.grad_flats.append(None)
@@ -167,7 +169,7 @@ class LocalShards:
             _view_of_sharded[id(fsdp_param.sharded_param)] = weakref.ref(piece.view)
         else:
             _hidden_in_flat[id(fsdp_param.sharded_param)] = weakref.ref(self)
-        target = data[:piece.numel]
+        target = data[:piece.numel].view(piece.shape)
         if piece.view.data_ptr() != target.data_ptr() or piece.view.dtype != target.dtype or piece.numel == 0:
             piece.view.data = target
         piece.view.requires_grad_(fsdp_param.sharded_param.requires_grad)
@@ -180,7 +182,7 @@ class LocalShards:
         flat = self.grad_flats[piece.buffer]
         if flat is None or (dtype is not None and flat.dtype != dtype):
             flat = self._new_grad_flat(piece.buffer, dtype or self.flats[piece.buffer].dtype)
-        return flat[piece.offset:piece.offset + piece.numel]
+        return _slice(flat, piece)
 
     def _new_grad_flat(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
         """Allocate buffer ``buffer``'s flat gradient in ``dtype``, the gradients already there carried over."""
@@ -190,8 +192,8 @@ class LocalShards:
             flat.copy_(old)
             for piece in self.pieces:
                 if piece.buffer == buffer and piece.view.grad is not None:
-                    self._set_engine_grad(piece, flat[piece.offset:piece.offset + piece.numel])
-                    piece.view.grad = flat[piece.offset:piece.offset + piece.numel]
+                    self._set_engine_grad(piece, _slice(flat, piece))
+                    piece.view.grad = _slice(flat, piece)
         return flat
 
     def follow(self) -> None:
@@ -280,7 +282,7 @@ class LocalShards:
         target = self._grad_slice(piece, values.dtype)
         if values.data_ptr() != target.data_ptr() or piece.numel == 0:
             with torch.no_grad():
-                target.copy_(values.reshape(-1))
+                target.copy_(values.reshape(target.shape))
         fsdp_param = piece.fsdp_param
         fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(target.view(fsdp_param.sharded_size))
 
@@ -293,13 +295,13 @@ class LocalShards:
             self._flat_grads_to_views()
         for piece in self.pieces:
             view, sharded = piece.view, piece.fsdp_param.sharded_param
-            target = cast(torch.Tensor, piece.data)[:piece.numel]
+            target = cast(torch.Tensor, piece.data)[:piece.numel].view(piece.shape)
             if piece.numel and (view.data_ptr() != target.data_ptr() or view.dtype != target.dtype):
                 if view.numel() != piece.numel:
                     raise ValueError(f"A parameter's local shard has {piece.numel} elements here; its .data was "
                                      f"replaced by one of shape {tuple(view.shape)}. Assign a tensor of the shard's "
                                      "size (or copy_ into it)")
-                target.copy_(view.detach().reshape(-1))
+                target.copy_(view.detach().reshape(piece.shape))
                 view.data = target
             if sharded.requires_grad != view.requires_grad:
                 sharded.requires_grad_(view.requires_grad)
@@ -329,7 +331,7 @@ class LocalShards:
                 flat.copy_(grad)
                 param.grad = flat
             for piece in members:
-                piece.view.grad = flat[piece.offset:piece.offset + piece.numel]
+                piece.view.grad = _slice(flat, piece)
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -392,6 +394,8 @@ class LocalShards:
                 param.data = flat
             members = [piece for piece in self.pieces if piece.buffer == index]
             param.requires_grad_(any(piece.view.requires_grad for piece in members))
+            if any(getattr(piece.view, "grad_dtype", "absent") is None for piece in members):
+                param.grad_dtype = None  # keep_low_precision_grads: a gradient in another dtype than the buffer
 
     def absorb_flat_writes(self) -> None:
         """A flat parameter whose ``.data`` was replaced (same size): its values written to the engine."""
@@ -416,6 +420,18 @@ class LocalShards:
 def _local(tensor: Any) -> torch.Tensor:
     """A sharded DTensor's local tensor (no autograd node, unlike ``to_local()``)."""
     return cast(torch.Tensor, tensor._local_tensor)
+
+
+def _view_shape(fsdp_param: FSDPParam, numel: int) -> tuple[int, ...]:
+    """A view's shape: FSDP1 shows a sharded unit's parameters as 1-D pieces of its flat shard, a
+    ``NO_SHARD`` unit's (the engine's ``replicate``, whose mesh has no shard dimension) in their own shapes."""
+    replicated = not hasattr(fsdp_param.mesh_info, "shard_mesh_size")
+    return tuple(fsdp_param.sharded_size) if replicated else (numel,)
+
+
+def _slice(flat: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """``piece``'s part of a flat buffer (parameters or gradients), in the view's shape."""
+    return flat[piece.offset:piece.offset + piece.numel].view(piece.shape)
 
 
 def _shard_rank(fsdp_param: FSDPParam) -> int:
@@ -497,10 +513,13 @@ def writeback(modules: Iterable[nn.Module]) -> None:
             shards.writeback()
 
 
-def engine_grads(modules: Iterable[nn.Module]) -> tuple[list[torch.Tensor], set[int]]:
-    """The engine's sharded gradients of the units ``modules`` that show plain views (users' changes
-    written back first), and the ids of the parameters those units show (views, flat parameters)."""
-    grads: list[torch.Tensor] = []
+def engine_grads(modules: Iterable[nn.Module]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[int]]:
+    """The gradients of the units ``modules`` that show plain views (users' changes written back first), each
+    as ``(local tensor to read and scale, the engine's DTensor gradient giving its mesh and placements)``,
+    and the ids of the parameters those units show (views, flat parameters). Where every parameter of a
+    buffer has its gradient in the flat gradient, that one tensor stands for them all (its padding holds
+    zeros): one norm and one scaling per unit and dtype, as FSDP1's flat gradient, not one per parameter."""
+    grads: list[tuple[torch.Tensor, torch.Tensor]] = []
     shown: set[int] = set()
     for module in modules:
         if (shards := local_shards(module)) is None:
@@ -508,8 +527,20 @@ def engine_grads(modules: Iterable[nn.Module]) -> tuple[list[torch.Tensor], set[
         shards.follow()
         shards.writeback()
         shown.update(id(param) for param in (*shards.views(), *shards.flat_params))
-        grads += [grad for piece in shards.pieces if (grad := piece.fsdp_param.sharded_param.grad) is not None]
+        for index, flat in enumerate(shards.grad_flats):
+            members = [(piece, piece.fsdp_param.sharded_param.grad) for piece in shards.pieces if piece.buffer == index]
+            if flat is not None and all(grad is not None and _in_flat(_local(grad), flat, piece)
+                                        for piece, grad in members):
+                grads.append((flat, cast(torch.Tensor, members[0][1])))
+            else:
+                grads += [(_local(grad), grad) for _, grad in members if grad is not None]
     return grads, shown
+
+
+def _in_flat(grad: torch.Tensor, flat: torch.Tensor, piece: _Piece) -> bool:
+    """Whether ``grad`` is ``piece``'s slice of the flat gradient ``flat`` (an empty piece always is)."""
+    return piece.numel == 0 or (grad.dtype == flat.dtype and
+                                grad.data_ptr() == flat.data_ptr() + piece.offset * flat.element_size())
 
 
 @contextlib.contextmanager
@@ -531,6 +562,9 @@ def engine_params(modules: Iterable[nn.Module]) -> Iterator[None]:
             if shards.engine_depth == 0:
                 shards.sync_grads()
                 shards.show()
+
+
+_engine.set_dcp_model_layout(lambda model: engine_params(model.modules()))  # torch's set_model_state_dict
 
 
 class EngineParamsOnApply(nn.Module):
@@ -589,16 +623,18 @@ def sharded_of_view(param: nn.Parameter) -> DTensor | None:
 
 
 def as_engine_value(value: Any, view: nn.Parameter, sharded: DTensor) -> Any:
-    """A view's per-element optimizer state (1-D, the view's shape) as a DTensor in ``sharded``'s layout
+    """A view's per-element optimizer state (the view's shape, or 1-D) as a DTensor in ``sharded``'s layout
     (no copy); anything else (``step``, non-tensors) as it is."""
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0 \
-            or value.shape != view.shape:
+            or value.shape not in (view.shape, (view.numel(),)):  # a flat parameter's slice is 1-D
         return value
     return _engine.dtensor_like(value.reshape(_local(sharded).shape), sharded)
 
 
 def as_plain_value(value: Any) -> Any:
-    """A per-element DTensor optimizer state as the plain 1-D local tensor a view's state is (no copy)."""
+    """A per-element DTensor optimizer state as the plain local tensor a view's state is (no copy): 1-D
+    for a sharded parameter, its own shape for a replicated one."""
     if isinstance(value, DTensor) and value.dim() > 0:
-        return _local(value).reshape(-1)
+        sharded = any(placement.is_shard() for placement in value.placements)
+        return _local(value).reshape(-1) if sharded else _local(value)
     return value

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _engine
+from . import _engine, _engine_flat
 from ._unit_state import state_of
 
 
@@ -39,9 +39,11 @@ def check_not_shared_with_another_root(module: nn.Module, ignored_params: set[nn
     engine would take it for tensor-parallel and fail deep inside); nested units' are this root's."""
     nested = {id(param) for sub in module.modules() if state_of(sub) is not None for param in sub.parameters()}
     for name, param in module.named_parameters():
-        unit = _sharding_unit.get(id(param))
+        sharded_of_view = _engine_flat.sharded_of_view(param)  # a plain local-shard view: its DTensor
+        shown: torch.Tensor = param if sharded_of_view is None else sharded_of_view
+        unit = _sharding_unit.get(id(shown))
         if unit is not None and id(param) not in nested and param not in ignored_params and any(
-                sharded is param for sharded in _engine.sharded_params(unit)):
+                sharded is shown for sharded in _engine.sharded_params(unit)):
             raise ValueError(
                 f"Parameter {name!r} is already sharded by another FullyShardedDataParallel root: "
                 "one parameter cannot be sharded by two separately wrapped roots. Wrap a common "

@@ -85,7 +85,8 @@ class Translation:
 
     def plain_result(self, result: dict[str, Any]) -> dict[str, Any]:
         """A state to load (keyed by engine positions, DTensor values) keyed by the optimizer's own
-        positions, with plain 1-D local values (a flat parameter's assembled from its pieces)."""
+        positions, with plain 1-D local values (a flat parameter's assembled from its pieces).
+        Consumes ``result``'s parameter entries."""
         if any(isinstance(key, str) for key in result["state"]) or not any(self.flat):
             # Keyed by names (``is_named_optimizer``), or views one-to-one with the engine's parameters:
             # the same keys; only the values change layout. (Named keys of flat parameters stay per piece.)
@@ -94,17 +95,22 @@ class Translation:
         old_of = {new: old for old, news in enumerate(positions) for new in news}
         state: dict[Any, Any] = {}
         for old, news in enumerate(positions):
-            found = [result["state"][new] for new in news if new in result["state"]]
-            if not found:
+            # Taken out of ``result`` as they are converted: a flat parameter's state is a copy of its
+            # pieces', and holding every unit's pieces until the end would double the peak.
+            # (Shallow copies: a piece's dict may be the caller's own, which must keep its entries.)
+            taken = [dict(found) if (found := result["state"].pop(new, None)) is not None else None for new in news]
+            if all(piece_state is None for piece_state in taken):
                 continue
             if not self.flat[old]:
-                state[old] = {name: _engine_flat.as_plain_value(v) for name, v in found[0].items()}
+                found = next(piece_state for piece_state in taken if piece_state is not None)
+                state[old] = {name: _engine_flat.as_plain_value(v) for name, v in found.items()}
                 continue
-            state[old] = self._flat_state(old, [(piece, result["state"].get(new))
-                                                for piece, new in zip(self.pieces[old] or [], news)])
+            state[old] = self._flat_state(old, list(zip(self.pieces[old] or [], taken)), consume=True)
         for key, value in result["state"].items():  # entries of no parameter pass through
             if key not in old_of:
                 state[key] = value
+        if "param_groups" not in result:  # a saved dict without them converts alone, as in FSDP1
+            return {"state": state}
         groups = [{**group, "params": sorted({old_of[new] for new in group["params"]})}
                   for group in result["param_groups"]]
         return {"state": state, "param_groups": groups}
@@ -115,8 +121,12 @@ class Translation:
                  if isinstance(param_state, dict) else param_state for key, param_state in result["state"].items()}
         return {**result, "state": state}
 
-    def restore_state(self, optim: torch.optim.Optimizer) -> None:
-        """``optim.state`` (in the engine's layout) re-keyed by the optimizer's own parameters, plain."""
+    def restore_state(self, optim: torch.optim.Optimizer, saved: Mapping[Any, Any],
+                      installed: Mapping[int, dict[str, Any]]) -> None:
+        """``optim.state`` (in the engine's layout) re-keyed by the optimizer's own parameters, plain.
+        A parameter whose pieces' states are still those ``installed`` (views of its ``saved`` state,
+        edited in place at most) gets its ``saved`` state back: re-assembling a flat parameter's would
+        copy it."""
         current = dict(optim.state)
         optim.state.clear()
         for old, (param, pieces) in enumerate(zip(self.params, self.pieces)):
@@ -127,25 +137,32 @@ class Translation:
             states = [(piece, current.pop(piece[1], None)) for piece in pieces]
             if all(state is None for _, state in states):
                 continue
-            if self.flat[old]:
+            if param in saved and all(_same_entries(state, installed.get(id(piece[1]))) for piece, state in states):
+                optim.state[param] = saved[param]
+            elif self.flat[old]:
                 optim.state[param] = self._flat_state(old, states)
             else:
                 optim.state[param] = {name: _engine_flat.as_plain_value(value)
                                       for name, value in (states[0][1] or {}).items()}
         optim.state.update(current)  # entries of no parameter
 
-    def _flat_state(self, old: int, pieces: list[tuple[Piece, Any]]) -> dict[str, Any]:
+    def _flat_state(self, old: int, pieces: list[tuple[Piece, Any]], consume: bool = False) -> dict[str, Any]:
         """A flat parameter's state from its pieces': per-element ones concatenated in its layout (its
-        padding zeros), others (``step``) the first piece's."""
+        padding zeros), others (``step``) the first piece's. ``consume``: each piece's entry is dropped
+        once copied (a low peak), for pieces' states nobody else holds (an optimizer's own may be in a
+        state dict its caller keeps: torch's ``Optimizer.state_dict`` shares them)."""
         flat = self.params[old]
         state: dict[str, Any] = {}
-        for (_, _, offset, numel), piece_state in pieces:
-            for name, value in (piece_state or {}).items():
-                plain = _engine_flat.as_plain_value(value)
+        names = list(dict.fromkeys(name for _, piece_state in pieces for name in (piece_state or {})))
+        for name in names:  # one state at a time, each piece's dropped once copied: a low peak
+            for (_, _, offset, numel), piece_state in pieces:
+                if not piece_state or name not in piece_state:
+                    continue
+                plain = _engine_flat.as_plain_value(piece_state.pop(name) if consume else piece_state[name])
                 if torch.is_tensor(plain) and plain.dim() > 0:
                     if name not in state:
                         state[name] = torch.zeros(flat.numel(), dtype=plain.dtype, device=plain.device)
-                    state[name][offset:offset + numel].copy_(plain)
+                    state[name][offset:offset + numel].copy_(plain.reshape(-1))
                 else:
                     state.setdefault(name, plain)
         return state
@@ -191,6 +208,7 @@ def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iter
         for group in optim.param_groups:
             group["params"] = translation.engine_params(group["params"])
         optim.state.clear()
+        installed: dict[int, dict[str, Any]] = {}  # id(engine parameter) -> the state put in for it
         for param, param_state in saved_state.items():
             old = position.get(id(param))
             if old is None or pieces[old] is None:
@@ -198,15 +216,22 @@ def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iter
                 continue
             for piece, state in zip(pieces[old] or [], translation.engine_state(param_state, old)):
                 optim.state[piece[1]] = state
+                installed[id(piece[1])] = dict(state)
         try:
             yield translation
         finally:
             for group, saved in zip(optim.param_groups, saved_groups):
                 group["params"] = saved
             # What the optimizer holds now (also a state loaded meanwhile, torch's ``set_state_dict``), back
-            # in the views' plain layout.
-            translation.restore_state(optim)
+            # in the views' plain layout; a state left as it was put in is the one saved (no copy).
+            translation.restore_state(optim, saved_state, installed)
 
+
+
+def _same_entries(state: Mapping[str, Any] | None, installed: Mapping[str, Any] | None) -> bool:
+    """Whether ``state`` holds exactly the objects ``installed`` did (none replaced, added or removed)."""
+    return state is not None and installed is not None and state.keys() == installed.keys() and all(
+        state[name] is value for name, value in installed.items())
 
 
 _engine.set_dcp_optimizer_layout(engine_layout)  # torch's get_state_dict / set_state_dict: the same layout

@@ -77,18 +77,20 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """FSDP1's total norm over every rank's gradients, in FP32: each group sharded on the same mesh
-    dims is reduced over those dims only (a hybrid replica's copy counts once); replicated and plain
-    ones (``NO_SHARD``, ignored parameters) are added locally, last, as in FSDP1. Not
-    ``torch.nn.utils.get_total_norm`` (measured): it computes in the gradients' dtype, cannot mix
-    DTensors of different meshes or with plain tensors, and its inf norm fails on an empty shard."""
+def _total_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], norm_type: float,
+                device: torch.device) -> torch.Tensor:
+    """FSDP1's total norm over every rank's gradients, in FP32. ``grads``: ``(local part, gradient it belongs
+    to)``; each group sharded on the same mesh dims is reduced over those dims only (a hybrid replica's
+    copy counts once); replicated and plain ones (``NO_SHARD``, ignored parameters) are added locally,
+    last, as in FSDP1. Not ``torch.nn.utils.get_total_norm`` (measured): it computes in the gradients'
+    dtype, cannot mix DTensors of different meshes or with plain tensors, and its inf norm fails on an
+    empty shard."""
     infinite = math.isinf(norm_type)
     by_sharding: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
-    for grad in grads:
+    for part, grad in grads:
         dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard()) if isinstance(grad, DTensor) else ()
         mesh = cast(DTensor, grad).device_mesh if dims else None
-        by_sharding.setdefault((mesh, dims), []).append(_local(grad).detach())
+        by_sharding.setdefault((mesh, dims), []).append(part.detach())
     by_sharding[(None, ())] = by_sharding.pop((None, ()), [])  # the unreduced ones last
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (mesh, dims), parts in by_sharding.items():
@@ -122,19 +124,23 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
     # The engine's DTensor gradients (sharded ones are counted once per shard group); plain views and flat
     # parameters alias them, so clipping those clips these.
     engine_grads, shown = _engine_flat.engine_grads(engine_unit.module for engine_unit in units_in(unit.wrapper))
-    grads = [*engine_grads, *(param.grad for param in unit.wrapper.parameters()
+    grads = [*engine_grads, *((_local(param.grad), param.grad) for param in unit.wrapper.parameters()
                               if param.grad is not None and id(param) not in shown)]
     total = _total_norm(grads, norm_type, unit.compute_device)
     if unit.cpu_offload.offload_params:
         total = total.cpu()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads:
-        _local(grad).mul_(coefficient.to(grad.device, grad.dtype))
+    cast_coefficients: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    for part, _ in grads:
+        key = (part.device, part.dtype)
+        if key not in cast_coefficients:
+            cast_coefficients[key] = coefficient.to(part.device, part.dtype)
+        part.mul_(cast_coefficients[key])
     if not grads:
         warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {unit.rank} with no gradients -- "
                       f"returning the total norm in the default dtype {total.dtype}", stacklevel=3)
         return total
-    return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
+    return total.to(functools.reduce(torch.promote_types, [part.dtype for part, _ in grads]))
 
 
 @dataclass

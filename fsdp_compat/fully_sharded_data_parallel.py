@@ -35,9 +35,9 @@ __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 # but keeps the root unsharded (it is needed again at once in backward), as FSDP1 does.
 _RESHARDING = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
-# What ``dtensor_params=None`` means: ``True``, the engine's sharded DTensor parameters (FSDP2's model), unless
-# ``FSDP_COMPAT_DTENSOR_PARAMS=0``: FSDP1's plain local-shard views (README, "What a parameter is").
-DTENSOR_PARAMS: bool = os.environ.get("FSDP_COMPAT_DTENSOR_PARAMS", "1") != "0"
+# What ``dtensor_params=None`` means: ``False``, FSDP1's plain local-shard views (README, "What a parameter
+# is"), unless ``FSDP_COMPAT_DTENSOR_PARAMS=1``: the engine's sharded DTensor parameters (FSDP2's model).
+DTENSOR_PARAMS: bool = os.environ.get("FSDP_COMPAT_DTENSOR_PARAMS", "0") == "1"
 
 
 class _OnState:
@@ -93,11 +93,11 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
     Same constructor, attributes, names and methods as FSDP1; torch's per-parameter FSDP2 engine
     shards, communicates, prefetches and reshards. Differences from FSDP1:
 
-    * With ``dtensor_params`` (keyword-only, default ``None``: ``True`` unless ``FSDP_COMPAT_DTENSOR_PARAMS=0``)
-      parameters are the original ones (sharded ``DTensor``), whatever ``use_orig_params`` says;
-      ``named_parameters()`` gives FSDP1's prefixed original names. ``dtensor_params=False`` gives FSDP1's
-      parameter model: plain 1-D local-shard views, or one flat parameter per unit for
-      ``use_orig_params=False``, in the engine's layout (README, "What a parameter is").
+    * Parameters are FSDP1's (``dtensor_params``, keyword-only, default ``None``: ``False`` unless
+      ``FSDP_COMPAT_DTENSOR_PARAMS=1``): plain 1-D local-shard views (``NO_SHARD``: the parameters' own
+      shapes), or one flat parameter per unit for ``use_orig_params=False``, in the engine's layout (README,
+      "What a parameter is"). ``dtensor_params=True``, for code written against FSDP2, shows the engine's
+      sharded ``DTensor`` parameters instead, whatever ``use_orig_params`` says.
     * A meta-device model is materialised in module order: the same seed gives eager construction's values.
     * ``limit_all_gathers=False`` and ``backward_prefetch`` other than ``BACKWARD_PRE`` warn once:
       the engine always rate-limits all-gathers and prefetches the next unit in backward.

@@ -203,10 +203,11 @@ def test_torch_still_has_what_the_interop_relies_on():
     from fsdp_compat import _engine
 
     assert _engine.DISTRIBUTED_CHECKPOINT_INTEROP, (
-        "torch.distributed.checkpoint.state_dict no longer has _verify_options / _get_fqns / "
-        "_StateDictInfo.fsdp_context; update the interop section of fsdp_compat/_engine.py")
-    assert getattr(dsd._verify_options, "_fsdp_compat_interop", False)
-    assert getattr(dsd._get_fqns, "_fsdp_compat_interop", False)
+        "torch.distributed.checkpoint.state_dict no longer has _verify_options / _get_fqns / the "
+        "optimizer and model load functions / _StateDictInfo.fsdp_context; update the interop section of fsdp_compat/_engine.py")
+    for name in ("_verify_options", "_get_fqns", "_get_optim_state_dict", "_load_optim_state_dict",
+                 "_load_model_state_dict"):
+        assert getattr(getattr(dsd, name), "_fsdp_compat_interop", False), name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,6 +94,28 @@ def test_parameters_are_plain_local_shards_whose_numels_sum_to_the_model_size(st
     assert local.item() == sum(param.numel() for param in diff.make_model(0).parameters())
 
 
+def _shapes_after_backward(model: nn.Module) -> dict[str, Any]:
+    """Each parameter's and gradient's shape after one backward, and whether any is a DTensor."""
+    diff.loss_fn(model, *diff.local_batch(0)).backward()
+    named = [(diff.clean_name(name), param) for name, param in model.named_parameters()]
+    return {"params": {name: list(param.shape) for name, param in named},
+            "grads": {name: list(param.grad.shape) for name, param in named if param.grad is not None},
+            "dtensor": any(isinstance(param, DTensor) or isinstance(param.grad, DTensor) for _, param in named)}
+
+
+@distributed_test(world_size=2)
+def test_no_shard_parameters_and_gradients_keep_their_shapes_as_fsdp1():
+    """Under ``NO_SHARD`` FSDP1 shows every parameter whole, in its own shape (plain, not 1-D), and so
+    its gradient and the optimizer state built from it; so do we."""
+    diff.quiet()
+    ours = _shapes_after_backward(_wrap("NO_SHARD"))
+    full = {name: list(param.shape) for name, param in diff.make_model(0).named_parameters()}
+    assert ours["params"] == full and ours["grads"] == full and not ours["dtensor"]
+    expected = diff.fsdp1_value(GOLDEN, "no-shard-shapes",
+                                lambda: _shapes_after_backward(_wrap("NO_SHARD", fsdp1=True)))
+    assert ours == expected
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @distributed_test(world_size=2)
 def test_gradients_are_plain_local_shards_after_backward(strategy):

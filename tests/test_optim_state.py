@@ -53,7 +53,7 @@ class Setup:
     tiny: bool = False                 # a ~2k-parameter TinyGPT (golden checkpoints stay small)
     cpu_offload: bool = False          # CPUOffload(offload_params=True) (fsdp_compat only on CPU)
     mixed_precision: bool = False      # bf16 compute, fp32 reduction
-    dtensor_params: bool = True        # fsdp_compat's parameter model (False: FSDP1's plain / flat views)
+    dtensor_params: bool | None = None  # fsdp_compat's parameter model (None: the default, FSDP1's plain views)
 
     @property
     def name(self) -> str:
@@ -99,7 +99,7 @@ def wrap(wrapper_class: type, model: nn.Module, setup: Setup, group: Any = None)
         use_orig_params=setup.use_orig_params,
         sharding_strategy=getattr(api.ShardingStrategy, setup.strategy),
     )
-    if api is fsdp_compat:
+    if api is fsdp_compat and setup.dtensor_params is not None:
         kwargs["dtensor_params"] = setup.dtensor_params
     if setup.model == "ignored":
         kwargs["ignored_modules"] = [model.blocks[1].mlp]
@@ -397,7 +397,7 @@ def test_saved_state_is_a_snapshot():
 @distributed_test(world_size=2)
 def test_configs_follow_state_dict_type():
     """``optim_state_dict`` follows ``state_dict_type``: FULL on every rank by default, ``{}`` on
-    other ranks with ``rank0_only``, DTensors laid out as their parameters under SHARDED, and
+    other ranks with ``rank0_only``, FSDP1's ShardedTensors (DTensors with ``_use_dtensor``) under SHARDED, and
     device placement by ``offload_to_cpu``."""
     diff.quiet()
     model, optim = build(FSDP, Setup())
@@ -417,19 +417,22 @@ def test_configs_follow_state_dict_type():
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
                               optim_state_dict_config=ShardedOptimStateDictConfig(_use_dtensor=True)):
         dtensors = FSDP.optim_state_dict(model, optim)
-    params = {clean_name(n): p for n, p in model.named_parameters()}
+    full_shapes = {name: param.shape for name, param in build_model(Setup()).named_parameters()}
+    # This rank's piece of each parameter: a DTensor's local tensor, or a plain view (its elements, 1-D).
+    local_numels = {clean_name(n): (p.to_local() if isinstance(p, DTensor) else p).numel()
+                    for n, p in model.named_parameters()}
     for name, state in sharded["state"].items():
         assert type(state["step"]) is torch.Tensor and state["step"].dim() == 0
         for key in ("exp_avg", "exp_avg_sq"):
-            value, param = state[key], params[name]
-            # FSDP1's ShardedTensor by default: this rank's piece as its one local shard (if any)
-            assert is_sharded_tensor(value) and value.shape == param.shape
+            value = state[key]
+            # FSDP1's ShardedTensor by default: this rank's dim-0 piece as its one local shard (if any)
+            assert is_sharded_tensor(value) and value.shape == full_shapes[name]
             local = [shard.tensor for shard in value.local_shards()]
-            assert [t.shape for t in local] == ([param.to_local().shape] if param.to_local().numel() else [])
+            assert [t.numel() for t in local] == ([local_numels[name]] if local_numels[name] else [])
             assert all(t.device.type == "cpu" for t in local)
-            value = dtensors["state"][name][key]  # DTensor when asked for, laid out as the parameter
-            assert isinstance(value, DTensor) and value.placements == param.placements
-            assert value.to_local().shape == param.to_local().shape
+            value = dtensors["state"][name][key]  # DTensor when asked for, dim-0 sharded as the engine's
+            assert isinstance(value, DTensor) and value.shape == full_shapes[name]
+            assert value.to_local().numel() == local_numels[name]
             assert value.to_local().device.type == "cpu"
 
 
@@ -661,13 +664,14 @@ def test_ignored_modules_round_trip():
     """Ignored parameters are plain tensors trained by each rank alone: their state is saved as
     plain tensors (this rank's, as FSDP1) and comes back as plain tensors."""
     diff.quiet()
-    model, optim = build(FSDP, Setup(model="ignored"))
+    # DTensor parameters: the ignored ones are the plain tensors among them.
+    model, optim = build(FSDP, Setup(model="ignored", dtensor_params=True))
     diff.train(model, optim, TRAIN_STEPS)
     before = full_state(model, optim)
     ignored = {clean_name(n) for n, p in model.named_parameters() if not isinstance(p, DTensor)}
     assert ignored == {"blocks.1.mlp.fc.weight", "blocks.1.mlp.fc.bias", "blocks.1.mlp.proj.weight",
                        "blocks.1.mlp.proj.bias"}
-    fresh, fresh_optim = build(FSDP, Setup(model="ignored"))
+    fresh, fresh_optim = build(FSDP, Setup(model="ignored", dtensor_params=True))
     loadable = FSDP.shard_full_optim_state_dict(before, fresh, optim=fresh_optim)
     params = {clean_name(n): p for n, p in fresh.named_parameters()}
     for key, state in loadable["state"].items():
