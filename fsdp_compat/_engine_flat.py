@@ -22,7 +22,8 @@ and the views re-pointed (:meth:`LocalShards.follow`), each view keeping its ide
 Torch-private names used here (``tests/test_engine_flat.py`` fails when a torch upgrade moves them):
 ``FSDPParam._sharded_param_data``, ``padded_sharded_param_size``, ``sharded_size``, ``sharded_state``,
 ``_setattr_on_modules``, ``reset_sharded_param``, ``to_sharded_dtensor``, ``_module_info``;
-``DTensor._local_tensor``; ``FSDPState._root_post_backward_final_callback`` and ``_state_ctx.all_states``.
+``DTensor._local_tensor``; ``FSDPState._root_post_backward_final_callback``, ``_pre_backward`` and
+``_state_ctx.all_states``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ _constructing = 0  # wrappers being built: until the outermost is, the engine's 
 
 ENGINE_NAMES = {
     FSDPParam: ("_setattr_on_modules", "reset_sharded_param", "to_sharded_dtensor"),
-    _engine.FSDPState: ("_root_post_backward_final_callback",),
+    _engine.FSDPState: ("_root_post_backward_final_callback", "_pre_backward"),
 }
 
 
@@ -118,6 +119,7 @@ class LocalShards:
         state = _engine.engine_state(module)
         setattr(state, _ATTR, self)
         _sync_grads_after_backward(cast(_engine.FSDPState, state))
+        _writeback_before_backward(cast(_engine.FSDPState, state), self)
 
     # ---- layout ----
 
@@ -461,9 +463,11 @@ def _slot_value(fsdp_param: FSDPParam) -> Any:
 
 
 def _sync_grads_after_backward(state: _engine.FSDPState) -> None:
-    """Wrap ``state``'s final backward callback (whichever unit's runs, it ends the whole root's backward):
-    then every unit's views show the sharded parameters and gradients."""
+    """Wrap ``state``'s final backward callback (the root's runs, ending the whole root's backward): then
+    every unit's views show the sharded parameters and gradients. Idempotent."""
     callback = state._root_post_backward_final_callback
+    if getattr(callback, _ATTR, False):
+        return
 
     def callback_then_sync() -> None:
         callback()
@@ -474,7 +478,22 @@ def _sync_grads_after_backward(state: _engine.FSDPState) -> None:
                 shards.sync_grads()
                 shards.show()
 
+    setattr(callback_then_sync, _ATTR, True)
     state._root_post_backward_final_callback = callback_then_sync  # type: ignore[method-assign]
+
+
+def _writeback_before_backward(state: _engine.FSDPState, shards: LocalShards) -> None:
+    """Wrap ``state``'s pre-backward hook (run before its gradients are reduced): the users' changes reach
+    the engine first. A ``zero_grad()`` between forward and backward (Lightning's closure does that) must
+    keep the engine from accumulating into the gradients it cleared."""
+    pre_backward = state._pre_backward
+
+    def writeback_then_pre_backward(*args: Any, **kwargs: Any) -> Any:
+        shards.follow()
+        shards.writeback()
+        return pre_backward(*args, **kwargs)
+
+    state._pre_backward = writeback_then_pre_backward  # type: ignore[method-assign]
 
 
 def local_shards(module: nn.Module) -> LocalShards | None:
@@ -483,8 +502,11 @@ def local_shards(module: nn.Module) -> LocalShards | None:
 
 
 def install(module: nn.Module, flat_mode: bool = False) -> LocalShards | None:
-    """Give the engine unit ``module`` plain local-shard views (no-op without managed parameters); with
+    """Give the engine unit ``module`` plain local-shard views (none without managed parameters); with
     ``flat_mode`` (FSDP1's ``use_orig_params=False``) its parameters are its flat local shards."""
+    if (state := _engine.engine_state(module)) is not None:
+        # Also a unit without parameters of its own: it may be the root, whose final callback the engine runs.
+        _sync_grads_after_backward(state)
     if not _engine.managed_params(module):
         return None
     return local_shards(module) or LocalShards(module, flat_mode)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat.testing import distributed_test
+from fsdp_compat.wrap import ModuleWrapPolicy
 from tests import differential as diff
 
 GOLDEN = "local_shard_params"
@@ -498,3 +499,50 @@ def test_optimizer_built_before_wrapping_trains_the_plain_views(strategy):
     assert results[0][0] == results[1][0]
     for name, value in results[1][1].items():
         assert torch.equal(results[0][1][name], value), name
+
+
+def _two_linears() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _adamw_losses(model: nn.Module, zero_grad_after_forward: bool, sharded: bool) -> list[float]:
+    """AdamW steps on the same global batch per step (each rank its half when ``sharded``); with
+    ``zero_grad_after_forward`` the gradients are cleared between forward and backward, as Lightning's
+    training closure does."""
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(step)
+        inputs, targets = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+        if sharded:
+            rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+            inputs, targets = inputs[rows], targets[rows]
+        if not zero_grad_after_forward:
+            optim.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs.to(diff.device())), targets.to(diff.device()))
+        if zero_grad_after_forward:
+            optim.zero_grad()
+        loss.backward()
+        optim.step()
+        value = loss.detach().clone()
+        if sharded:
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(value.item())
+    return losses
+
+
+@pytest.mark.parametrize("zero_grad_after_forward", [False, True])
+@distributed_test(world_size=2)
+def test_a_root_without_parameters_of_its_own_trains_like_the_unsharded_model(zero_grad_after_forward):
+    """Every parameter in nested units, none in the root (Lightning's module around ``nn.Linear`` units):
+    the gradients still reach the plain views after backward, and a ``zero_grad()`` between forward and
+    backward clears them (the engine does not accumulate into the cleared gradients)."""
+    diff.quiet()
+    model = FSDP(_two_linears().to(diff.device()), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                 use_orig_params=True, dtensor_params=False)
+    assert not list(model.module.parameters(recurse=False))
+    ours = _adamw_losses(model, zero_grad_after_forward, sharded=True)
+    reference = _adamw_losses(_two_linears().to(diff.device()), zero_grad_after_forward, sharded=False)
+    diff.assert_close_lists(ours, reference, rtol=1e-5, what="losses vs the unsharded model")
