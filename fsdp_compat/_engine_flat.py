@@ -84,6 +84,7 @@ class _Piece:
     shape: tuple[int, ...]  # the view's: 1-D on sharded units, the parameter's own on replicated ones
     view: nn.Parameter
     data: torch.Tensor | None = None  # the slice handed to the engine as ``_sharded_param_data``
+    data_ptr: int = 0  # its address: a view still over it was not replaced (checked without a tensor op)
     sharded: Any = None  # the engine's sharded DTensor parameter at the last (re)build
     local: torch.Tensor | None = None  # and its local tensor
 
@@ -166,6 +167,7 @@ class LocalShards:
         local = data.view(fsdp_param.padded_sharded_param_size).narrow(0, 0, rows)
         cast(Any, fsdp_param.sharded_param)._local_tensor = local
         piece.data, piece.sharded, piece.local = data, fsdp_param.sharded_param, local
+        piece.data_ptr = data.data_ptr()
         _sharded_of_view[piece.view] = fsdp_param.sharded_param
         if not self.flat_mode:
             _view_of_sharded[id(fsdp_param.sharded_param)] = weakref.ref(piece.view)
@@ -296,9 +298,9 @@ class LocalShards:
         if self.flat_mode:
             self._flat_grads_to_views()
         for piece in self.pieces:
-            view, sharded = piece.view, piece.fsdp_param.sharded_param
-            target = cast(torch.Tensor, piece.data)[:piece.numel].view(piece.shape)
-            if piece.numel and (view.data_ptr() != target.data_ptr() or view.dtype != target.dtype):
+            view, sharded, data = piece.view, piece.fsdp_param.sharded_param, cast(torch.Tensor, piece.data)
+            if piece.numel and (view.data_ptr() != piece.data_ptr or view.dtype != data.dtype):
+                target = data[:piece.numel].view(piece.shape)
                 if view.numel() != piece.numel:
                     raise ValueError(f"A parameter's local shard has {piece.numel} elements here; its .data was "
                                      f"replaced by one of shape {tuple(view.shape)}. Assign a tensor of the shard's "

@@ -123,8 +123,13 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
             raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
     # The engine's DTensor gradients (sharded ones are counted once per shard group); plain views and flat
     # parameters alias them, so clipping those clips these.
-    engine_grads, shown = _engine_flat.engine_grads(engine_unit.module for engine_unit in units_in(unit.wrapper))
-    grads = [*engine_grads, *((_local(param.grad), param.grad) for param in unit.wrapper.parameters()
+    units = units_in(unit.wrapper)
+    engine_grads, shown = _engine_flat.engine_grads(engine_unit.module for engine_unit in units)
+    # Beside the engine's: the ignored parameters' gradients. With plain views everywhere those are all
+    # (every other parameter is shown by its unit), read without walking the model's parameters.
+    others = (unit.wrapper.parameters() if any(each.dtensor_params for each in units)
+              else {id(param): param for each in units for param in each.ignored_params}.values())
+    grads = [*engine_grads, *((_local(param.grad), param.grad) for param in others
                               if param.grad is not None and id(param) not in shown)]
     total = _total_norm(grads, norm_type, unit.compute_device)
     if unit.cpu_offload.offload_params:
