@@ -318,6 +318,10 @@ class LocalShards:
                     or piece.numel == 0):
                 self._set_engine_grad(piece, grad)
                 view.grad = self._grad_slice(piece, grad.dtype)
+        for index in range(len(self.grad_flats)):  # every gradient of a buffer cleared: its memory freed
+            if all(piece.view.grad is None for piece in self.pieces if piece.buffer == index) and not (
+                    index < len(self.flat_params) and self.flat_params[index].grad is not None):
+                self.grad_flats[index] = None
 
     def _flat_grads_to_views(self) -> None:
         """Flat mode: the flat parameters' ``.grad`` (``None``, the flat gradient, or one the user
@@ -340,6 +344,8 @@ class LocalShards:
     @torch.no_grad()
     def sync_grads(self) -> None:
         """After backward: each view's ``.grad`` a view of the flat local gradient, which is the engine's."""
+        for index in range(len(self.flats)):
+            self._adopt_engine_grads(index)
         for piece in self.pieces:
             grad = piece.fsdp_param.sharded_param.grad
             if grad is None:
@@ -361,6 +367,29 @@ class LocalShards:
                     if piece.view.grad is None:
                         flat[piece.offset:piece.offset + piece.numel].zero_()
                 param.grad = flat
+
+    def _adopt_engine_grads(self, index: int) -> None:
+        """Where the engine's new gradients of buffer ``index`` are views of one 1-D buffer in exactly our
+        layout (its reduce-scatter output: each parameter's padded chunk, in order, padding reduced from
+        zeros), that buffer becomes the flat gradient: no copy, and not two copies of the gradients alive.
+        Not while the engine keeps that output to add to later (HSDP without all-reduce)."""
+        members = [piece for piece in self.pieces if piece.buffer == index]
+        grads = [piece.fsdp_param.sharded_param.grad for piece in members]
+        if not members or any(grad is None for grad in grads):
+            return
+        locals_ = [_local(grad) for grad in grads]
+        base = locals_[0]._base if locals_[0]._base is not None else locals_[0]
+        current = self.grad_flats[index]
+        if (current is not None and base.data_ptr() == current.data_ptr()) or base.dim() != 1 \
+                or base.numel() != self.flats[index].numel() or any(local.dtype != base.dtype for local in locals_):
+            return
+        if any(getattr(group, "_partial_reduce_output", None) is not None
+               for group in _engine.param_groups(self.module)):
+            return
+        size = base.element_size()
+        if all(piece.numel == 0 or local.data_ptr() == base.data_ptr() + piece.offset * size
+               for piece, local in zip(members, locals_)):
+            self.grad_flats[index] = base
 
     # ---- FSDP1's flat-parameter description ----
 
