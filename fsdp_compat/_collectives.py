@@ -57,16 +57,35 @@ def all_ranks_agree(groups: Sequence[Any], subject: str, consequence: str) -> It
     except Exception as caught:  # noqa: BLE001 - every failure is agreed on, then re-raised
         error = caught
     if dist.is_initialized() and groups:
-        kind = next((index for index, agreed in enumerate(_AGREED_TYPES) if isinstance(error, agreed)), 1)
-        codes = _per_rank(0 if error is None else 1 + kind, groups)  # 0: this rank's checks passed
-        failed = codes.nonzero().flatten().tolist()
-        if failed:
-            message = _first_failure_message(error if dist.get_rank() == failed[0] else None, groups)
-            if error is None:
-                raise _AGREED_TYPES[int(codes[failed[0]]) - 1](
-                    f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
+        raise_agreed(agreement_codes(error, groups), error, groups, subject, consequence)
     if error is not None:
         raise error
+
+
+def failure_code(error: Exception | None) -> int:
+    """This rank's outcome of its checks, as the agreement exchanges it: 0 passed, else its type's code."""
+    if error is None:
+        return 0
+    return 1 + next((index for index, agreed in enumerate(_AGREED_TYPES) if isinstance(error, agreed)), 1)
+
+
+def agreement_codes(error: Exception | None, groups: Sequence[Any]) -> torch.Tensor:
+    """Every global rank's :func:`failure_code` (a CPU tensor indexed by rank): one all-reduce per group.
+    A caller with an all-reduce of its own over the same ranks can carry the codes in it instead."""
+    return _per_rank(failure_code(error), groups)
+
+
+def raise_agreed(codes: torch.Tensor, error: Exception | None, groups: Sequence[Any], subject: str,
+                 consequence: str) -> None:
+    """Given every rank's code, raise on every rank if any rank's checks failed (as :func:`all_ranks_agree`)."""
+    failed = codes.nonzero().flatten().tolist()
+    if not failed:
+        return
+    message = _first_failure_message(error if dist.get_rank() == failed[0] else None, groups)
+    if error is not None:
+        raise error
+    raise _AGREED_TYPES[int(codes[failed[0]]) - 1](
+        f"{subject} is invalid on rank(s) {failed} (there: {message}); {consequence}.")
 
 
 def _per_rank(value: int, groups: Sequence[Any]) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _engine, _engine_flat, _mixed_precision
-from ._collectives import all_ranks_agree
+from ._collectives import agreement_codes, all_ranks_agree, failure_code, raise_agreed
 from ._tensor_layout import gather_full_tensors, shard_like
 from ._common import TrainingState, warn_once
 from ._mesh import HYBRID_STRATEGIES
@@ -77,14 +77,24 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+@dataclass
+class _Agreement:
+    """A check's outcome on this rank, to be agreed on by every rank of ``group`` (the unit's whole mesh)
+    inside the first all-reduce the norm makes over that group, instead of an all-reduce of its own."""
+
+    code: int  # _collectives.failure_code
+    group: Any
+    codes: torch.Tensor | None = None  # every global rank's code, once exchanged
+
+
 def _total_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], norm_type: float,
-                device: torch.device) -> torch.Tensor:
+                device: torch.device, agreement: _Agreement | None = None) -> torch.Tensor:
     """FSDP1's total norm over every rank's gradients, in FP32. ``grads``: ``(local part, gradient it belongs
     to)``; each group sharded on the same mesh dims is reduced over those dims only (a hybrid replica's
     copy counts once); replicated and plain ones (``NO_SHARD``, ignored parameters) are added locally,
     last, as in FSDP1. Not ``torch.nn.utils.get_total_norm`` (measured): it computes in the gradients'
     dtype, cannot mix DTensors of different meshes or with plain tensors, and its inf norm fails on an
-    empty shard."""
+    empty shard. ``agreement``: its codes ride along in the first all-reduce over its group, if any."""
     infinite = math.isinf(norm_type)
     by_sharding: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
     for part, grad in grads:
@@ -93,15 +103,38 @@ def _total_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], norm_type: float
         by_sharding.setdefault((mesh, dims), []).append(part.detach())
     by_sharding[(None, ())] = by_sharding.pop((None, ()), [])  # the unreduced ones last
     total = torch.zeros((), dtype=torch.float32, device=device)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
     for (mesh, dims), parts in by_sharding.items():
         norms = [torch.linalg.vector_norm(part, norm_type, dtype=torch.float32).to(device)
                  for part in parts if part.numel() > 0]  # an empty shard adds nothing
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros_like(total)
         local = local if infinite else local ** norm_type
         for dim in dims:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+            group = mesh.get_group(dim)
+            if agreement is not None and agreement.codes is None and group is agreement.group:
+                # [this rank's norm part, every rank's code]: each code is set by its own rank only, so
+                # the sum and the maximum alike deliver it (also if a failing rank's op differs).
+                packed = torch.zeros(1 + dist.get_world_size(), dtype=torch.float32, device=device)
+                packed[0], packed[1 + dist.get_rank()] = local, agreement.code
+                dist.all_reduce(packed, op=op, group=group)
+                local, agreement.codes = packed[0], packed[1:].round().to(torch.int32).cpu()
+            else:
+                dist.all_reduce(local, op=op, group=group)
         total = torch.maximum(total, local) if infinite else total + local
     return total if infinite else total ** (1.0 / norm_type)
+
+
+def _check_clip_arguments(unit: UnitState, max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    if not unit.is_root:
+        raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
+    max_norm = _as_float(max_norm, "max_norm", "a non-negative number")
+    norm_type = _as_float(norm_type, "norm_type", "a positive number or 'inf'")
+    if not max_norm >= 0:  # also catches NaN
+        raise ValueError(f"max_norm must be a non-negative number, got {max_norm}: a negative bound "
+                         "would flip the gradients' sign")
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
+    return max_norm, norm_type
 
 
 def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
@@ -109,18 +142,21 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
     coefficient ``min(max_norm / (total + 1e-6), 1)``, cast to each gradient's dtype (``clip_grads_with_norm_``
     does not, so bf16 results differ, and refuses DTensor and plain gradients together), and FSDP1's
     return dtype (FP32, with a warning, without gradients)."""
-    # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes.
-    with all_ranks_agree(unit.device_mesh.get_all_groups(), "The clip_grad_norm_() arguments",
-                         "no gradient was clipped on any rank"):
-        if not unit.is_root:
-            raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
-        max_norm = _as_float(max_norm, "max_norm", "a non-negative number")
-        norm_type = _as_float(norm_type, "norm_type", "a positive number or 'inf'")
-        if not max_norm >= 0:  # also catches NaN
-            raise ValueError(f"max_norm must be a non-negative number, got {max_norm}: a negative bound "
-                             "would flip the gradients' sign")
-        if not norm_type > 0:
-            raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
+    # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes. On a
+    # 1-D mesh the ranks agree inside the norm's own all-reduce (FSDP1's one collective), else beforehand.
+    subject, consequence = "The clip_grad_norm_() arguments", "no gradient was clipped on any rank"
+    groups = unit.device_mesh.get_all_groups()
+    agreement: _Agreement | None = None
+    if len(groups) != 1 or not dist.is_initialized():
+        with all_ranks_agree(groups, subject, consequence):
+            max_norm, norm_type = _check_clip_arguments(unit, max_norm, norm_type)
+    else:
+        error: Exception | None = None
+        try:
+            max_norm, norm_type = _check_clip_arguments(unit, max_norm, norm_type)
+        except Exception as caught:  # noqa: BLE001 - agreed on below, then re-raised
+            error, max_norm, norm_type = caught, 0.0, 2.0  # this rank still takes part in the all-reduce
+        agreement = _Agreement(failure_code(error), groups[0])
     # The engine's DTensor gradients (sharded ones are counted once per shard group); plain views and flat
     # parameters alias them, so clipping those clips these.
     units = units_in(unit.wrapper)
@@ -131,7 +167,10 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
               else {id(param): param for each in units for param in each.ignored_params}.values())
     grads = [*engine_grads, *((_local(param.grad), param.grad) for param in others
                               if param.grad is not None and id(param) not in shown)]
-    total = _total_norm(grads, norm_type, unit.compute_device)
+    total = _total_norm(grads, norm_type, unit.compute_device, agreement)
+    if agreement is not None:
+        codes = agreement.codes if agreement.codes is not None else agreement_codes(error, groups)
+        raise_agreed(codes, error, groups, subject, consequence)
     if unit.cpu_offload.offload_params:
         total = total.cpu()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
