@@ -1,5 +1,6 @@
-"""FSDP1's parameter model (``dtensor_params=False``): outside forward and backward every parameter is a
-plain 1-D tensor holding this rank's shard, and its ``.grad`` a plain 1-D local gradient, as in FSDP1.
+"""FSDP1's parameter model (``dtensor_params=False``, the default): outside forward and backward every
+parameter is a plain 1-D tensor holding this rank's shard (under ``NO_SHARD``: the whole tensor, in its own
+shape), and its ``.grad`` a plain local gradient of the same shape, as in FSDP1.
 
 Code written for FSDP1 does its own distributed arithmetic on these tensors (OLMo's clipping, hand-written
 optimizers, ``num_params()``); the oracle is torch FSDP1 running the same code (golden values in
