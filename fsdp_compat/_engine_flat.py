@@ -19,11 +19,12 @@ before the next forward and before any internal entry point reads the engine's p
 ``load_state_dict(assign=True)``, dtype changes, meta-device materialisation) the flat buffer is rebuilt
 and the views re-pointed (:meth:`LocalShards.follow`), each view keeping its identity.
 
-Torch-private names used here (``tests/test_engine_flat.py`` fails when a torch upgrade moves them):
+Torch-private names used here (``test_the_engine_still_has_the_storage_names_the_views_rely_on`` in
+``tests/test_local_shard_params.py`` fails when a torch upgrade moves them):
 ``FSDPParam._sharded_param_data``, ``padded_sharded_param_size``, ``sharded_size``, ``sharded_state``,
 ``_setattr_on_modules``, ``reset_sharded_param``, ``to_sharded_dtensor``, ``_module_info``;
 ``DTensor._local_tensor``; ``FSDPState._root_post_backward_final_callback``, ``_pre_backward`` and
-``_state_ctx.all_states``.
+``_state_ctx.all_states``; ``FSDPParamGroup._partial_reduce_output``.
 """
 
 from __future__ import annotations

@@ -481,6 +481,8 @@ def test_the_engine_still_has_the_storage_names_the_views_rely_on():
         assert hasattr(fsdp_param, name), f"FSDPParam.{name}"
     assert hasattr(fsdp_param.sharded_param, "_local_tensor")
     assert hasattr(_engine.engine_state(model.module)._state_ctx, "all_states")
+    # Adopting the reduce-scatter output as the flat gradient is unsafe while the engine keeps it.
+    assert all(hasattr(group, "_partial_reduce_output") for group in _engine.param_groups(model.module))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
