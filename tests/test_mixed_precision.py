@@ -276,8 +276,13 @@ def test_no_sync_accumulates_in_compute_dtype(precision):
     expected = fsdp1_or_golden(f"no-sync-checksums-{precision}-FULL_SHARD",
                                lambda: no_sync_gradient_checksums(False, precision, "FULL_SHARD"))
     assert set(ours) == set(expected)
+    # Against FSDP1 run now: equal to 1e-6. Against its golden values, recorded on another CPU: fp32 matmuls
+    # differ there in the last bits, which a bf16 reduction turns into whole bf16 steps of a few elements
+    # (seen: 5.7e-5 of the checksum with fp32 compute); a change of reduction dtype alone moves it by 2e-3
+    # (the bf16 and bf16-reduce-fp32 records).
+    rtol = 1e-6 if diff.HAVE_FSDP1 or PRECISIONS[precision].get("param_dtype") else 5e-4
     for name, value in expected.items():
-        assert abs(ours[name] - value) <= 1e-6 * max(abs(value), 1e-3), (name, ours[name], value)
+        assert abs(ours[name] - value) <= rtol * max(abs(value), 1e-3), (name, ours[name], value)
 
 
 @pytest.mark.parametrize("precision", ["bf16-reduce-fp32", "reduce-bf16-only"])
