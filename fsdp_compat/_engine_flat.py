@@ -382,14 +382,12 @@ class LocalShards:
         base = locals_[0]._base if locals_[0]._base is not None else locals_[0]
         current = self.grad_flats[index]
         if (current is not None and base.data_ptr() == current.data_ptr()) or base.dim() != 1 \
-                or base.numel() != self.flats[index].numel() or any(local.dtype != base.dtype for local in locals_):
+                or base.numel() != self.flats[index].numel():
             return
         if any(getattr(group, "_partial_reduce_output", None) is not None
                for group in _engine.param_groups(self.module)):
             return
-        size = base.element_size()
-        if all(piece.numel == 0 or local.data_ptr() == base.data_ptr() + piece.offset * size
-               for piece, local in zip(members, locals_)):
+        if all(_in_flat(local, base, piece) for piece, local in zip(members, locals_)):
             self.grad_flats[index] = base
 
     # ---- FSDP1's flat-parameter description ----
@@ -592,7 +590,8 @@ def engine_grads(modules: Iterable[nn.Module]) -> tuple[list[tuple[torch.Tensor,
 
 
 def _in_flat(grad: torch.Tensor, flat: torch.Tensor, piece: _Piece) -> bool:
-    """Whether ``grad`` is ``piece``'s slice of the flat gradient ``flat`` (an empty piece always is)."""
+    """Whether ``grad`` is ``piece``'s slice of the flat (gradient) buffer ``flat``, in its dtype (an empty
+    piece always is)."""
     return piece.numel == 0 or (grad.dtype == flat.dtype and
                                 grad.data_ptr() == flat.data_ptr() + piece.offset * flat.element_size())
 
