@@ -29,6 +29,8 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401
 # What ``nn.Module.load_state_dict`` returns (a named tuple of missing and unexpected keys).
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys  # noqa: F401 (re-exported)
 
+from ._torch_fsdp1 import TORCH_FSDP1_CLASS
+
 # ---- torch versions: the tested range, and the engine pieces this adapter needs ----
 
 # [first, end) of (major, minor) the whole suite passes on; ``setup.cfg`` states the same range.
@@ -417,6 +419,8 @@ class GradScalerBase(torch.amp.GradScaler):
 # nothing public lets another class take part (``_fqn_modifiers`` renames model entries only, not optimizer
 # ones). So, at import, we wrap ``_verify_options`` (its ``fsdp_context`` then also publishes the call's
 # options: :func:`distributed_checkpoint_request`) and ``_get_fqns`` (names lose the wrapper segment).
+# Under ``fsdp_compat.patch_torch()`` torch's ``FSDP`` is our class: torch then runs its FSDP1 path on our
+# units through our public API, and ``_verify_state_dict`` is wrapped to skip its FSDP1-state check on them.
 # ``tests/test_dcp_state_dict_api.py`` fails loudly when a torch upgrade moves them.
 
 _WRAPPER_SEGMENT = "_fsdp_wrapped_module"
@@ -440,11 +444,12 @@ def _publishing(options: Any, inner: Callable[[], Any]) -> Iterator[None]:
 
 
 def _install_distributed_checkpoint_interop() -> bool:
-    """Wrap ``dsd._verify_options`` and ``dsd._get_fqns`` once; ``False`` when torch lacks them."""
+    """Wrap ``dsd._verify_options``, ``dsd._get_fqns`` and the others above once; ``False`` if torch lacks them."""
     try:
         from torch.distributed.checkpoint import state_dict as dsd
         verify_options, get_fqns, info_class = dsd._verify_options, dsd._get_fqns, dsd._StateDictInfo
         dsd._get_optim_state_dict, dsd._load_optim_state_dict, dsd._load_model_state_dict  # noqa: B018 (wrapped below)
+        verify_state_dict = dsd._verify_state_dict
     except (ImportError, AttributeError):  # pragma: no cover - depends on the torch version
         return False
     if "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}:
@@ -477,6 +482,19 @@ def _install_distributed_checkpoint_interop() -> bool:
         with _optimizers_in_layout(dsd, model, optimizers, (*args, *kwargs.values())):
             return load_optim(model, optimizers, *args, **kwargs)
 
+    @functools.wraps(verify_state_dict)
+    def verify_state_dict_of_torch_units(model_state_dict: Any, optim_state_dict: Any, info: Any) -> Any:
+        # Under ``fsdp_compat.patch_torch()`` torch's ``FSDP`` name is our class, so our units join
+        # ``info.fsdp_modules`` and torch runs its FSDP1 path on them (through our public FSDP1 API);
+        # its first check then asks each for FSDP1's private state object, which ours never have.
+        # Checked: torch's own FSDP1 units only (none while switched: the two classes never mix).
+        units = info.fsdp_modules
+        info.fsdp_modules = [unit for unit in units if _is_torch_fsdp1_unit(unit)]
+        try:
+            return verify_state_dict(model_state_dict, optim_state_dict, info)
+        finally:
+            info.fsdp_modules = units
+
     load_model = dsd._load_model_state_dict
 
     @functools.wraps(load_model)
@@ -488,14 +506,19 @@ def _install_distributed_checkpoint_interop() -> bool:
             return load_model(model, *args, **kwargs)
 
     for wrapped in (verify_options_publishing, get_fqns_without_wrappers, get_optim_in_layout, load_optim_in_layout,
-                    load_model_in_layout):
+                    load_model_in_layout, verify_state_dict_of_torch_units):
         setattr(wrapped, _INTEROP_MARK, True)
     dsd._verify_options = verify_options_publishing
     dsd._get_fqns = get_fqns_without_wrappers
     dsd._get_optim_state_dict = get_optim_in_layout
     dsd._load_optim_state_dict = load_optim_in_layout
     dsd._load_model_state_dict = load_model_in_layout
+    dsd._verify_state_dict = verify_state_dict_of_torch_units
     return True
+
+
+def _is_torch_fsdp1_unit(module: nn.Module) -> bool:
+    return TORCH_FSDP1_CLASS is not None and isinstance(module, TORCH_FSDP1_CLASS)
 
 
 # How ``dsd`` sees a model and its optimizers: FSDP1's plain parameters put them in the engine's DTensor

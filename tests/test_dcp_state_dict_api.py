@@ -9,6 +9,8 @@ training; without FSDP1, the unwrapped model's names.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+import fsdp_compat
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat.testing import run_on_ranks
 from tests import differential as diff
@@ -34,6 +37,17 @@ OPTIONS = {
     "full_cpu_offload": StateDictOptions(full_state_dict=True, cpu_offload=True),
 }
 STEPS_BEFORE, STEPS_AFTER = 2, 2
+# Every case runs as a plain import of our class ("off") and through ``fsdp_compat.patch_torch()``
+# ("on"), where torch's API takes our units for FSDP1's and runs its FSDP1 path on them.
+SWITCH = pytest.mark.parametrize("switch", ["off", "on"])
+
+
+def switched(switch: str):
+    """The switch on for the block (and off again after it, in this rank-pool process) if ``switch == "on"``.
+    Only around our side: while on, torch's FSDP1 names (``diff.TorchFSDP`` too) are ours."""
+    if switch == "on":
+        return fsdp_compat.torch_patched()
+    return contextlib.nullcontext()
 
 
 def trained(wrapper_class, seed: int = 0, steps: int = STEPS_BEFORE):
@@ -55,13 +69,14 @@ def unwrapped_names() -> tuple[list[str], list[str]]:
     return list(model.state_dict()), [name for name, _ in model.named_parameters()]
 
 
-def state_dicts(wrapper_class, options_name: str) -> tuple[dict, dict]:
-    model, optimizer = trained(wrapper_class)
-    return get_state_dict(model, optimizer, options=OPTIONS[options_name])
+def state_dicts(wrapper_class, options_name: str, switch: str = "off") -> tuple[dict, dict]:
+    with switched(switch):
+        model, optimizer = trained(wrapper_class)
+        return get_state_dict(model, optimizer, options=OPTIONS[options_name])
 
 
-def keys_are_the_unwrapped_models(options_name: str) -> None:
-    model_state, optim_state = state_dicts(FSDP, options_name)
+def keys_are_the_unwrapped_models(options_name: str, switch: str) -> None:
+    model_state, optim_state = state_dicts(FSDP, options_name, switch)
     if options_name == "full_cpu_offload" and dist.get_rank() != 0:
         assert model_state == {} and not optim_state.get("state")  # rank 0 only, as for FSDP1
         return
@@ -71,18 +86,22 @@ def keys_are_the_unwrapped_models(options_name: str) -> None:
     assert sorted(p for g in optim_state["param_groups"] for p in g["params"]) == sorted(param_names)
     sharded = options_name == "default"
     # SHARDED by default: the model's values are FSDP1's ShardedTensors; the optimizer's are the engine's
-    # DTensor state, as torch gives a module it does not take for FSDP1 (README).
+    # DTensor state, as torch gives a module it does not take for FSDP1 (README). Switched, torch takes
+    # our units for FSDP1's and asks them for FSDP1's optimizer state dict: ShardedTensors, as FSDP1's.
     assert type(model_state["tok_emb.weight"]).__name__ == ("ShardedTensor" if sharded else "Tensor")
-    assert isinstance(optim_state["state"]["tok_emb.weight"]["exp_avg"], DTensor) == sharded
+    sharded_optim_type = "ShardedTensor" if switch == "on" and diff.HAVE_FSDP1 else "DTensor"
+    assert type(optim_state["state"]["tok_emb.weight"]["exp_avg"]).__name__ == (
+        sharded_optim_type if sharded else "Tensor")
 
 
+@SWITCH
 @pytest.mark.parametrize("options_name", sorted(OPTIONS))
-def test_model_and_optimizer_keys_are_clean_fqns(options_name):
-    run_on_ranks(keys_are_the_unwrapped_models, 2, options_name)
+def test_model_and_optimizer_keys_are_clean_fqns(options_name, switch):
+    run_on_ranks(keys_are_the_unwrapped_models, 2, options_name, switch)
 
 
-def equal_to_fsdp1(options_name: str) -> None:
-    our_model, our_optim = state_dicts(FSDP, options_name)
+def equal_to_fsdp1(options_name: str, switch: str) -> None:
+    our_model, our_optim = state_dicts(FSDP, options_name, switch)
     fsdp1_model, fsdp1_optim = state_dicts(diff.TorchFSDP, options_name)
     assert list(our_model) == list(fsdp1_model)
     assert our_optim["param_groups"] == fsdp1_optim["param_groups"]
@@ -91,6 +110,10 @@ def equal_to_fsdp1(options_name: str) -> None:
         assert state.keys() == our_optim["state"][name].keys(), name
     for key, value in fsdp1_model.items():
         assert type(our_model[key]) is type(value), key
+    if switch == "on":  # torch asks our units for FSDP1's optimizer state dict: FSDP1's value types
+        for name, state in fsdp1_optim["state"].items():
+            for key, value in state.items():
+                assert type(our_optim["state"][name][key]) is type(value), (name, key)
     if options_name == "default":
         # The sharded values are compared through checkpoints crossing engines below (and the
         # optimizer's are DTensors where FSDP1's are ShardedTensors: README).
@@ -107,15 +130,17 @@ def equal_to_fsdp1(options_name: str) -> None:
 
 
 @needs_fsdp1
+@SWITCH
 @pytest.mark.parametrize("options_name", ["default", "full"])  # FSDP1 crashes with cpu_offload on CPU
-def test_state_dicts_equal_fsdp1s(options_name):
-    run_on_ranks(equal_to_fsdp1, 2, options_name)
+def test_state_dicts_equal_fsdp1s(options_name, switch):
+    run_on_ranks(equal_to_fsdp1, 2, options_name, switch)
 
 
-def offloaded_equals_full() -> None:
-    model, optimizer = trained(FSDP)
-    full = get_state_dict(model, optimizer, options=OPTIONS["full"])
-    offloaded = get_state_dict(model, optimizer, options=OPTIONS["full_cpu_offload"])
+def offloaded_equals_full(switch: str) -> None:
+    with switched(switch):
+        model, optimizer = trained(FSDP)
+        full = get_state_dict(model, optimizer, options=OPTIONS["full"])
+        offloaded = get_state_dict(model, optimizer, options=OPTIONS["full_cpu_offload"])
     if dist.get_rank() != 0:
         return
     for ours, expected in zip(offloaded, full):
@@ -139,63 +164,79 @@ def _flatten(tree, prefix=""):
         yield prefix, tree
 
 
-def test_cpu_offload_gives_the_full_state_on_rank_0():
-    run_on_ranks(offloaded_equals_full, 2)
+@SWITCH
+def test_cpu_offload_gives_the_full_state_on_rank_0(switch):
+    run_on_ranks(offloaded_equals_full, 2, switch)
 
 
 def engine(name: str):
     return diff.TorchFSDP if name == "fsdp1" else FSDP
 
 
-def write(path: str, writer_name: str) -> list[float]:
+def write(path: str, writer_name: str, switch: str = "off") -> list[float]:
     """Train, save model and optimizer through ``get_state_dict`` + DCP, train on."""
-    model, optimizer = trained(engine(writer_name))
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    return train(model, optimizer, STEPS_AFTER, STEPS_BEFORE)
+    with switched(switch if writer_name == "ours" else "off"):
+        model, optimizer = trained(engine(writer_name))
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        return train(model, optimizer, STEPS_AFTER, STEPS_BEFORE)
 
 
-def read_and_resume(path: str, reader_name: str, expected_losses: list[float]) -> None:
-    model = make(engine(reader_name), seed=1, use_orig_params=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optimizer, 1, 0)  # some optimizer state to overwrite
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    losses = train(model, optimizer, STEPS_AFTER, STEPS_BEFORE)
+def read_and_resume(path: str, reader_name: str, expected_losses: list[float], switch: str = "off") -> None:
+    with switched(switch if reader_name == "ours" else "off"):
+        model = make(engine(reader_name), seed=1, use_orig_params=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train(model, optimizer, 1, 0)  # some optimizer state to overwrite
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        losses = train(model, optimizer, STEPS_AFTER, STEPS_BEFORE)
     diff.assert_close_lists(losses, expected_losses, rtol=1e-5, what=f"resumed by {reader_name}")
 
 
 @needs_fsdp1
+@SWITCH
 @pytest.mark.parametrize("writer_name, reader_name", [("fsdp1", "ours"), ("ours", "fsdp1")])
-def test_checkpoint_through_the_api_crosses_engines(tmp_path, writer_name, reader_name):
+def test_checkpoint_through_the_api_crosses_engines(tmp_path, writer_name, reader_name, switch):
     path = str(tmp_path / "ckpt")
-    losses = run_on_ranks(write, 2, path, writer_name)[0]
-    run_on_ranks(read_and_resume, 2, path, reader_name, losses)
+    losses = run_on_ranks(write, 2, path, writer_name, switch)[0]
+    run_on_ranks(read_and_resume, 2, path, reader_name, losses, switch)
 
 
 @needs_fsdp1
+@SWITCH
 @pytest.mark.parametrize("writer_name, reader_name", [("fsdp1", "ours"), ("ours", "fsdp1"), ("ours", "ours")])
-def test_checkpoint_through_the_api_crosses_world_sizes_4_to_2(tmp_path, writer_name, reader_name):
+def test_checkpoint_through_the_api_crosses_world_sizes_4_to_2(tmp_path, writer_name, reader_name, switch):
     path = str(tmp_path / "ckpt")
-    losses = run_on_ranks(write, 4, path, writer_name)[0]
-    run_on_ranks(read_and_resume, 2, path, reader_name, losses)
+    losses = run_on_ranks(write, 4, path, writer_name, switch)[0]
+    run_on_ranks(read_and_resume, 2, path, reader_name, losses, switch)
 
 
-def optimizer_only_and_model_only_calls() -> None:
-    model, optimizer = trained(FSDP)
-    model_keys, param_names = unwrapped_names()
-    assert list(get_model_state_dict(model)) == model_keys
-    assert set(get_optimizer_state_dict(model, optimizer)["state"]) == set(param_names)
+@SWITCH
+@pytest.mark.parametrize("writer_switch", ["off", "on"])
+def test_checkpoint_through_the_api_crosses_the_switch(tmp_path, writer_switch, switch):
+    """A checkpoint written with the switch off loads with it on, and the other way round."""
+    path = str(tmp_path / "ckpt")
+    losses = run_on_ranks(write, 2, path, "ours", writer_switch)[0]
+    run_on_ranks(read_and_resume, 2, path, "ours", losses, switch)
 
 
-def test_model_only_and_optimizer_only_calls_use_clean_fqns():
-    run_on_ranks(optimizer_only_and_model_only_calls, 2)
+def optimizer_only_and_model_only_calls(switch: str) -> None:
+    with switched(switch):
+        model, optimizer = trained(FSDP)
+        model_keys, param_names = unwrapped_names()
+        assert list(get_model_state_dict(model)) == model_keys
+        assert set(get_optimizer_state_dict(model, optimizer)["state"]) == set(param_names)
+
+
+@SWITCH
+def test_model_only_and_optimizer_only_calls_use_clean_fqns(switch):
+    run_on_ranks(optimizer_only_and_model_only_calls, 2, switch)
 
 
 def test_torch_still_has_what_the_interop_relies_on():
-    """torch recognises FSDP1 by class only; the adapter wraps two private functions of
+    """torch recognises FSDP1 by class only; the adapter wraps private functions of
     ``torch.distributed.checkpoint.state_dict`` to give our wrapper the same treatment. If a torch
     upgrade moves them, this fails (and so do the tests above)."""
     from torch.distributed.checkpoint import state_dict as dsd
@@ -203,10 +244,11 @@ def test_torch_still_has_what_the_interop_relies_on():
     from fsdp_compat import _engine
 
     assert _engine.DISTRIBUTED_CHECKPOINT_INTEROP, (
-        "torch.distributed.checkpoint.state_dict no longer has _verify_options / _get_fqns / the "
-        "optimizer and model load functions / _StateDictInfo.fsdp_context; update the interop section of fsdp_compat/_engine.py")
+        "torch.distributed.checkpoint.state_dict no longer has _verify_options / _get_fqns / the optimizer and "
+        "model load functions / _verify_state_dict / _StateDictInfo.fsdp_context; update the interop section of "
+        "fsdp_compat/_engine.py")
     for name in ("_verify_options", "_get_fqns", "_get_optim_state_dict", "_load_optim_state_dict",
-                 "_load_model_state_dict"):
+                 "_load_model_state_dict", "_verify_state_dict"):
         assert getattr(getattr(dsd, name), "_fsdp_compat_interop", False), name
 
 
