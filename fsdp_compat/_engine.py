@@ -81,7 +81,7 @@ try:
 except ImportError as _error:
     raise _missing_engine_piece(f"a piece fsdp_compat imports ({_error})") from _error
 
-_require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetch",
+_require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch",
                  "set_requires_gradient_sync", "set_requires_all_reduce", "set_gradient_divide_factor",
                  "set_force_sum_reduction_for_comms", "set_custom_reduce_scatter", "set_all_reduce_hook",
                  "_get_fsdp_state")

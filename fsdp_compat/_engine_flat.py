@@ -62,9 +62,10 @@ ENGINE_NAMES = {
 }
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True)
 class ShardParamInfo:
-    """FSDP1's ``_ShardParamInfo``: where one parameter's piece lies in this rank's flat shard."""
+    """FSDP1's ``_ShardParamInfo``: where one parameter's piece lies in this rank's flat shard. A value, as
+    FSDP1's named tuple: checkpointers (OLMo's) compare the saved ones with the model's."""
 
     in_shard: bool
     offset_in_shard: int | None  # into the flat shard (its dtype's buffer)

@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from . import _engine, _engine_flat
 from ._common import clean_name
-from ._unit_state import UnitState
+from ._unit_state import UnitState, units_in
+from .api import ShardingStrategy
 
 
 class FlatParamView:
@@ -36,6 +37,19 @@ class FlatParamView:
     @property
     def flat_param(self) -> FlatParamView:  # FSDP1 code reaches the flat parameter as ``_handle.flat_param``
         return self
+
+    # The handle's configuration, which trainers walking ``_all_handles`` read (FSDP1's names).
+    _offload_params = property(lambda self: bool(self._unit.cpu_offload.offload_params))
+    _use_orig_params = property(lambda self: self._unit.use_orig_params)
+    _fully_sharded_module = property(lambda self: self._unit.module)
+    process_group = property(lambda self: self._unit.process_group)
+    rank = property(lambda self: self._unit.rank)
+    world_size = property(lambda self: self._unit.world_size)
+
+    @property
+    def uses_sharded_strategy(self) -> bool:
+        """FSDP1's: anything but ``NO_SHARD`` (also a strategy switched to it on a one-rank shard group)."""
+        return self._unit.sharding_strategy != ShardingStrategy.NO_SHARD
 
     @property
     def dtype(self) -> torch.dtype:
@@ -149,6 +163,11 @@ def handle(unit: UnitState) -> FlatParamView | None:
         local = _engine_flat.local_shards(unit.module) is not None
         unit.handle_view = LocalFlatHandle(unit) if local else FlatParamView(unit)
     return unit.handle_view
+
+
+def all_handles(root: UnitState) -> list[FlatParamView]:
+    """FSDP1's ``_all_handles`` of a root: the handle of every unit in its tree with parameters, pre-order."""
+    return [view for unit in units_in(root.wrapper) if (view := handle(unit)) is not None]
 
 
 def flat_param(unit: UnitState) -> FlatParamView | nn.Parameter | None:

@@ -57,6 +57,16 @@ def resolve_device(device_id: int | torch.device | None, process_group: Any) -> 
     return communication_device(process_group[0] if isinstance(process_group, tuple) else process_group)
 
 
+def check_hybrid_layout_given(strategy: ShardingStrategy, process_group: Any, device_mesh: DeviceMesh | None,
+                              auto_wrap_policy: Any) -> None:
+    """FSDP1's refusal: a manually wrapped hybrid unit needs its layout; only with an auto-wrap policy
+    does FSDP1 build the default one (sharding within a node) for the whole tree."""
+    if strategy in HYBRID_STRATEGIES and process_group is None and device_mesh is None and auto_wrap_policy is None:
+        raise ValueError(f"Manual wrapping with {strategy} requires explicit specification of process group or "
+                         "device_mesh. (Pass process_group=(intra_node_group, inter_node_group), a 2-D device_mesh "
+                         "(replicate, shard), or an auto_wrap_policy to shard within each node.)")
+
+
 def build_mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: DeviceMesh | None,
                device: torch.device) -> DeviceMesh:
     """The engine mesh for ``strategy``: 2-D ``(replicate, shard)`` for hybrid strategies, else 1-D."""

@@ -315,10 +315,10 @@ def _validate_for_load(osd: Any, index: _ParamIndex, optim: Any, load_directly: 
     if unknown:
         raise KeyError(f"The optimizer state dict names parameters this model's optimizer does not "
                        f"hold: {sorted(set(unknown))[:10]}; is it the state of another model?")
+    if index.flat_params:  # per-parameter optimizers (DTensor parameters) keep a step each
+        _check_flat_scalar_states(state, index)  # first: FSDP1 raises it, also when the groups differ too
     if saved_groups is not None:  # FSDP1 converts the state alone, and returns no param_groups
         _validate_groups(saved_groups, index)
-    if index.flat_params:  # per-parameter optimizers (DTensor parameters) keep a step each
-        _check_flat_scalar_states(state, index)
     _validate_states(state, index, optim, saved_groups)
 
 
@@ -350,14 +350,17 @@ def _check_flat_scalar_states(state: Mapping[str, Any], index: _ParamIndex) -> N
     for params in units.values():
         names = [index.fqn_of[param] for param in index.in_flat_order(params)]
         states = [state[name] for name in names if isinstance(state.get(name), Mapping)]
+        # A parameter missing from the dict while others of its unit have state: FSDP1 takes its value as None.
+        absent = [None] * (len(names) - len(states)) if states else []
         for state_name in dict.fromkeys(key for param_state in states for key in param_state):
             values = [param_state[state_name] for param_state in states if state_name in param_state]
             if all(torch.is_tensor(value) and value.dim() == 0 for value in values):
                 tensors = [value.to_local() if isinstance(value, DTensor) else value for value in values]
-                numbers, dtypes = _distinct(t.item() for t in tensors), _distinct(t.dtype for t in tensors)
+                numbers = _distinct([*(t.item() for t in tensors), *absent])
+                dtypes = _distinct([*(t.dtype for t in tensors), *absent])
                 found = f"values {_as_set(numbers)} and dtypes {_as_set(dtypes)} for state {state_name} and "
             elif not any(torch.is_tensor(value) for value in values):
-                numbers, dtypes = _distinct(values), []
+                numbers, dtypes = _distinct([*values, *absent]), []
                 found = f"values {_as_set(numbers)} for state {state_name} and  "  # FSDP1's two spaces
             else:
                 continue  # tensors of the parameter's shape, or mixed kinds: checked per parameter

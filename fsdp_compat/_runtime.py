@@ -44,14 +44,30 @@ def root_pre_forward(root: UnitState, args: tuple[Any, ...],
         root.forward_order = []
         for unit in units:
             unit.order_recorder = root.forward_order
-    elif any(unit.forward_prefetch for unit in units):
-        # FSDP1's forward_prefetch: a unit all-gathers the next one (first forward's order) as it starts.
-        engine_units = [unit for unit in root.forward_order if _engine.engine_state(unit.module) is not None]
-        for current, following in zip(engine_units, engine_units[1:]):
-            if current.forward_prefetch:
-                engine_unit = cast(_engine.FSDPModule, current.module)
-                engine_unit.set_modules_to_forward_prefetch([cast(_engine.FSDPModule, following.module)])
+            unit.exec_order_data = root.exec_order_data  # shared from now on, as FSDP1's lazy init does
+    else:
+        _prefetch_in_recorded_order(root, units)
     return _mixed_precision.root_pre_forward(root, units, args, kwargs)
+
+
+def _prefetch_in_recorded_order(root: UnitState, units: list[UnitState]) -> None:
+    """FSDP1's ``forward_prefetch``: a unit all-gathers the next ``_forward_prefetch_limit`` units (first
+    forward's order) as it starts. A ``_backward_prefetch_limit`` above 1 (FSDP1 prefetches one unit
+    ahead, as the engine does by itself) makes each unit all-gather that many preceding ones in backward."""
+    limits = root.exec_order_data
+    forward_limit, backward_limit = int(limits._forward_prefetch_limit), int(limits._backward_prefetch_limit)
+    prefetch_forward = forward_limit > 0 and any(unit.forward_prefetch for unit in units)
+    if not prefetch_forward and backward_limit <= 1:
+        return
+    order = [unit for unit in root.forward_order or [] if _engine.engine_state(unit.module) is not None]
+    for index, current in enumerate(order):
+        engine_unit = cast(_engine.FSDPModule, current.module)
+        if prefetch_forward and current.forward_prefetch:
+            following = order[index + 1:index + 1 + forward_limit]
+            engine_unit.set_modules_to_forward_prefetch([cast(_engine.FSDPModule, u.module) for u in following])
+        if backward_limit > 1 and current.backward_prefetch is not None:
+            preceding = order[max(index - backward_limit, 0):index][::-1]  # backward runs them last first
+            engine_unit.set_modules_to_backward_prefetch([cast(_engine.FSDPModule, u.module) for u in preceding])
 
 
 @contextlib.contextmanager

@@ -22,6 +22,17 @@ from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullSt
 STATE_ATTR = "_fsdp_compat_state"
 
 
+@dataclasses.dataclass(eq=False)
+class ExecOrderData:
+    """FSDP1's ``_exec_order_data`` as trainers (Composer) tune it: how many units ahead to all-gather
+    in forward (with ``forward_prefetch``) and in backward (with a ``backward_prefetch``). A root shares
+    its own with its units at its first forward, as FSDP1 does; ``_runtime`` maps the root's onto the
+    engine's explicit prefetching."""
+
+    _forward_prefetch_limit: int = 1
+    _backward_prefetch_limit: int = 1
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class UnitState:
     """One wrapper's state, as FSDP2's ``FSDPState`` is one ``fully_shard`` unit's."""
@@ -61,6 +72,7 @@ class UnitState:
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
     buffers_cast_for_computation: bool = False  # the root's: done at its first forward
     handle_view: Any = None  # FSDP1's ``_flat_param``/``_handle`` stand-in (``_flat_param_view``), made on first use
+    exec_order_data: ExecOrderData = dataclasses.field(default_factory=ExecOrderData)  # FSDP1's prefetch limits
 
     def __post_init__(self) -> None:
         self.process_group = self.device_mesh.get_group(self.device_mesh.ndim - 1)

@@ -20,7 +20,7 @@ from ._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState, clean_name
 from ._engine import flatten_mesh
 from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_module, check_not_shared_with_another_root,
                           is_forwardless_container, remember_sharded, resolve_ignored_states)
-from ._mesh import build_mesh, resolve_device
+from ._mesh import build_mesh, check_hybrid_layout_given, resolve_device
 from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
 from ._unit_state import STATE_ATTR, UnitState, state_of, units_in
@@ -150,6 +150,7 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
             _warn_about_moot_options(bool(limit_all_gathers), backward_prefetch)
             ignored_modules, ignored_params = resolve_ignored_states(module, ignored_modules, ignored_states)
             check_not_shared_with_another_root(module, ignored_params)
+            check_hybrid_layout_given(strategy, process_group, device_mesh, auto_wrap_policy)
             compute_device = resolve_device(device_id, process_group)
             mesh = build_mesh(strategy, process_group, device_mesh, compute_device)
             # Sharding over a one-rank shard group (the process group, or the intra-node one for hybrid
@@ -264,6 +265,16 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
     _flat_param = property(lambda self: _flat_param_view.flat_param(self._unit))
     _handle = property(lambda self: _flat_param_view.handle(self._unit))
     params = property(lambda self: _flat_param_view.params(self._unit))
+    # FSDP1's prefetch limits, which trainers (Composer) set on the root: mapped to the engine's prefetching.
+    _exec_order_data = property(lambda self: self._unit.exec_order_data)
+
+    @property
+    def _all_handles(self) -> list[Any]:
+        """FSDP1's root attribute (OLMo's checkpointers walk it): the handle of each unit in this tree
+        that has parameters, pre-order. A nested unit has none, as in FSDP1."""
+        if not self._unit.is_root:
+            raise AttributeError("_all_handles")  # then looked up on the wrapped module, as FSDP1 does
+        return _flat_param_view.all_handles(self._unit)
 
     def check_is_root(self) -> bool:
         """Whether this instance is a root (no enclosing ``FullyShardedDataParallel``)."""

@@ -5,7 +5,10 @@ Lightning, accelerate and the transformers ``Trainer`` look torch's class up and
 class defined there (torch's own aliases, a user's earlier ``import ... as FSDP``); references outside
 torch, and those it cannot rebind (inside containers), are named in a warning. ``fsdp.wrap`` needs no
 patch: it builds the ``wrapper_cls`` it is given. While on, building torch's class around our units
-raises ``ValueError``; no FSDP1 code runs. Lightning's ``_has_dtensor_modules`` is patched too.
+raises ``ValueError``; no FSDP1 code runs. A subclass of torch's class defined before the switch
+(mmengine's ``MMFullyShardedDataParallel``) builds, while on, an instance of its twin on our class: a
+subclass of it whose resolution order has our class where torch's was. Lightning's
+``_has_dtensor_modules`` is patched too.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from collections.abc import Generator
 from typing import Any
 
@@ -88,7 +92,11 @@ def torch_patched() -> Generator[None, None, None]:
 
 
 def _refuse_our_units_inside(cls: type, *args: Any, **kwargs: Any) -> Any:
-    """``__new__`` of torch's FSDP1 class while patched: refuses before torch's ``__init__`` runs."""
+    """``__new__`` of torch's FSDP1 class (and its subclasses) while patched: a subclass defined before
+    the switch builds fsdp_compat's unit; torch's own class refuses our units before its ``__init__`` runs."""
+    if is_torch_patched() and cls is not TORCH_FSDP1_CLASS:
+        # ``type.__call__`` runs the returned object's ``__init__`` (the subclass's, then ours through super()).
+        return object.__new__(_on_our_class(cls))
     module = args[0] if args else kwargs.get("module")
     if is_torch_patched() and isinstance(module, nn.Module):
         refuse_mixing(module, FullyShardedDataParallel, "contains fsdp_compat.FullyShardedDataParallel units",
@@ -126,11 +134,33 @@ def _rebind_references(record: list[tuple[Any, str]]) -> None:
             "point to fsdp_compat's class, but anything built with torch's class before this call "
             "is still torch's. Call patch_torch() before importing and building the model",
             UserWarning, stacklevel=3)
+    subclasses = _late_subclasses()
+    if subclasses:
+        warnings.warn(
+            f"fsdp_compat.patch_torch() was called after {subclasses} subclassed torch's FSDP1 class; from now on "
+            "they build fsdp_compat's class (still instances of the subclass), but anything built with them before "
+            f"this call is still torch's, and static methods called on the subclass itself ({subclasses[0]}."
+            "optim_state_dict(...)) are still torch's: call those on FullyShardedDataParallel or an instance. Call "
+            "patch_torch() before importing and building the model", UserWarning, stacklevel=3)
     if unreachable:
         warnings.warn(
             f"fsdp_compat.patch_torch() cannot rebind torch's FSDP1 class held inside {unreachable}: "
             "code using those still sees torch's class. Call patch_torch() before importing them",
             UserWarning, stacklevel=3)
+
+
+def _late_subclasses() -> list[str]:
+    """Subclasses of torch's class defined outside torch not named before (each is named once)."""
+    found: list[str] = []
+    pending: list[type] = list(type.__subclasses__(TORCH_FSDP1_CLASS)) if TORCH_FSDP1_CLASS is not None else []
+    while pending:
+        subclass = pending.pop(0)
+        pending.extend(type.__subclasses__(subclass))
+        if isinstance(subclass, _OnOurClass) or subclass in _named or subclass.__module__.partition(".")[0] == "torch":
+            continue
+        _named.add(subclass)
+        found.append(f"{subclass.__module__}.{subclass.__qualname__}")
+    return found
 
 
 def _holds_torch_class(value: Any) -> bool:
@@ -142,3 +172,36 @@ def _holds_torch_class(value: Any) -> bool:
 
 def _owner_name(owner: Any) -> str:
     return f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+
+
+# Subclasses of torch's class defined before the switch (mmengine's ``MMFullyShardedDataParallel``), each
+# with its twin on our class: built while switched, such a subclass builds its twin.
+_twins: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+_SUBCLASS = "_fsdp_compat_rebased_from"
+_named: weakref.WeakSet[type] = weakref.WeakSet()  # late subclasses already named in a warning
+
+
+class _OnOurClass(type):
+    """Metaclass of a twin: its method resolution order is the subclass's own classes, then ours,
+    without torch's class (and what only torch's class brings): none of FSDP1's code is reachable."""
+
+    def mro(cls) -> list[type]:
+        subclass = vars(cls).get(_SUBCLASS)  # a plain lookup would need the order being computed
+        if subclass is None or TORCH_FSDP1_CLASS is None:
+            return super().mro()
+        torch_classes = set(TORCH_FSDP1_CLASS.__mro__)
+        own = [c for c in subclass.__mro__ if c not in torch_classes]
+        return [cls, *own, *(c for c in FullyShardedDataParallel.__mro__ if c not in own)]
+
+
+def _on_our_class(subclass: type) -> type:
+    """``subclass`` of torch's class rebased on ours: a subclass of ``subclass`` (``isinstance`` and its
+    zero-argument ``super()`` calls hold) whose resolution order puts our class where torch's was."""
+    twin = _twins.get(subclass)
+    if twin is None:
+        meta = type(subclass)
+        metaclass = _OnOurClass if meta is type else type(f"_OnOurClass[{meta.__name__}]", (_OnOurClass, meta), {})
+        namespace = {_SUBCLASS: subclass, "__module__": subclass.__module__, "__qualname__": subclass.__qualname__,
+                     "__doc__": subclass.__doc__}
+        twin = _twins[subclass] = metaclass(subclass.__name__, (subclass,), namespace)
+    return twin

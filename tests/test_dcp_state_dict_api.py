@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -89,7 +90,9 @@ def keys_are_the_unwrapped_models(options_name: str, switch: str) -> None:
     # DTensor state, as torch gives a module it does not take for FSDP1 (README). Switched, torch takes
     # our units for FSDP1's and asks them for FSDP1's optimizer state dict: ShardedTensors, as FSDP1's.
     assert type(model_state["tok_emb.weight"]).__name__ == ("ShardedTensor" if sharded else "Tensor")
-    sharded_optim_type = "ShardedTensor" if switch == "on" and diff.HAVE_FSDP1 else "DTensor"
+    with switched(switch):
+        takes_ours_for_fsdp1 = dsd.FSDP is FSDP  # not where torch's checkpoint module binds no FSDP1 class
+    sharded_optim_type = "ShardedTensor" if takes_ours_for_fsdp1 else "DTensor"
     assert type(optim_state["state"]["tok_emb.weight"]["exp_avg"]).__name__ == (
         sharded_optim_type if sharded else "Tensor")
 
