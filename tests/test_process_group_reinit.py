@@ -77,14 +77,14 @@ def _node_groups() -> tuple[Any, Any]:
 
 
 def _hybrid_kwargs(layout: str) -> dict[str, Any]:
-    """How a program states its hybrid layout: not at all (the default), as FSDP1's group pair, or
-    as a 2-D mesh without dimension names (which the wrapper names)."""
+    """How a program states its hybrid layout: not at all (the default, which FSDP1 builds only for an
+    auto-wrapped tree), as FSDP1's group pair, or as a 2-D mesh without dimension names (which the wrapper names)."""
     if layout == "group_pair":
         return {"process_group": _node_groups()}
     if layout == "unnamed_mesh":
         ranks = [[node * RANKS_PER_NODE + local for local in range(RANKS_PER_NODE)] for node in range(NODES)]
         return {"device_mesh": DeviceMesh(diff.device().type, ranks)}
-    return {}
+    return {"auto_wrap_policy": fsdp_compat.wrap.ModuleWrapPolicy({diff.Block})}
 
 
 def _train_hybrid(wrapper_class: type, layout: str, steps: int = 1) -> tuple[list[float], dict[str, Any]]:
