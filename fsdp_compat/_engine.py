@@ -449,9 +449,10 @@ def _install_distributed_checkpoint_interop() -> bool:
         from torch.distributed.checkpoint import state_dict as dsd
         verify_options, get_fqns, info_class = dsd._verify_options, dsd._get_fqns, dsd._StateDictInfo
         dsd._get_optim_state_dict, dsd._load_optim_state_dict, dsd._load_model_state_dict  # noqa: B018 (wrapped below)
-        verify_state_dict = dsd._verify_state_dict
     except (ImportError, AttributeError):  # pragma: no cover - depends on the torch version
         return False
+    # Only needed while switched: its absence leaves the rest of the interop in place.
+    verify_state_dict = getattr(dsd, "_verify_state_dict", None)
     if "fsdp_context" not in {field.name for field in dataclasses.fields(info_class)}:
         return False
     if getattr(verify_options, _INTEROP_MARK, False):
@@ -482,19 +483,6 @@ def _install_distributed_checkpoint_interop() -> bool:
         with _optimizers_in_layout(dsd, model, optimizers, (*args, *kwargs.values())):
             return load_optim(model, optimizers, *args, **kwargs)
 
-    @functools.wraps(verify_state_dict)
-    def verify_state_dict_of_torch_units(model_state_dict: Any, optim_state_dict: Any, info: Any) -> Any:
-        # Under ``fsdp_compat.patch_torch()`` torch's ``FSDP`` name is our class, so our units join
-        # ``info.fsdp_modules`` and torch runs its FSDP1 path on them (through our public FSDP1 API);
-        # its first check then asks each for FSDP1's private state object, which ours never have.
-        # Checked: torch's own FSDP1 units only (none while switched: the two classes never mix).
-        units = info.fsdp_modules
-        info.fsdp_modules = [unit for unit in units if _is_torch_fsdp1_unit(unit)]
-        try:
-            return verify_state_dict(model_state_dict, optim_state_dict, info)
-        finally:
-            info.fsdp_modules = units
-
     load_model = dsd._load_model_state_dict
 
     @functools.wraps(load_model)
@@ -506,15 +494,35 @@ def _install_distributed_checkpoint_interop() -> bool:
             return load_model(model, *args, **kwargs)
 
     for wrapped in (verify_options_publishing, get_fqns_without_wrappers, get_optim_in_layout, load_optim_in_layout,
-                    load_model_in_layout, verify_state_dict_of_torch_units):
+                    load_model_in_layout):
         setattr(wrapped, _INTEROP_MARK, True)
     dsd._verify_options = verify_options_publishing
     dsd._get_fqns = get_fqns_without_wrappers
     dsd._get_optim_state_dict = get_optim_in_layout
     dsd._load_optim_state_dict = load_optim_in_layout
     dsd._load_model_state_dict = load_model_in_layout
-    dsd._verify_state_dict = verify_state_dict_of_torch_units
+    if verify_state_dict is not None:
+        dsd._verify_state_dict = _verifying_torch_units_only(verify_state_dict)
     return True
+
+
+def _verifying_torch_units_only(verify_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """``dsd._verify_state_dict`` checking torch's own FSDP1 units only. Under ``fsdp_compat.patch_torch()``
+    torch's ``FSDP`` name is our class, so our units join ``info.fsdp_modules`` and torch runs its FSDP1 path
+    on them (through our public FSDP1 API); this check would then ask each for FSDP1's private state object,
+    which ours never have (and while switched no torch unit can be in the model: the classes never mix)."""
+
+    @functools.wraps(verify_state_dict)
+    def verify_state_dict_of_torch_units(model_state_dict: Any, optim_state_dict: Any, info: Any) -> Any:
+        units = info.fsdp_modules
+        info.fsdp_modules = [unit for unit in units if _is_torch_fsdp1_unit(unit)]
+        try:
+            return verify_state_dict(model_state_dict, optim_state_dict, info)
+        finally:
+            info.fsdp_modules = units
+
+    setattr(verify_state_dict_of_torch_units, _INTEROP_MARK, True)
+    return verify_state_dict_of_torch_units
 
 
 def _is_torch_fsdp1_unit(module: nn.Module) -> bool:
