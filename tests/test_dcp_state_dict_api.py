@@ -225,6 +225,32 @@ def test_checkpoint_through_the_api_crosses_the_switch(tmp_path, writer_switch, 
     run_on_ranks(read_and_resume, 2, path, "ours", losses, switch)
 
 
+def flat_parameters_round_trip(path: str, options_name: str, switch: str) -> None:
+    """``use_orig_params=False`` (one flat parameter a unit): saved with DCP, trained on, restored exactly."""
+    with switched(switch):
+        model = make(FSDP, use_orig_params=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train(model, optimizer, STEPS_BEFORE, 0)
+        options = OPTIONS[options_name]
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        losses = train(model, optimizer, STEPS_AFTER, STEPS_BEFORE)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
+        assert train(model, optimizer, STEPS_AFTER, STEPS_BEFORE) == losses
+    model_keys, param_names = unwrapped_names()
+    assert list(model_state) == model_keys and set(optim_state["state"]) == set(param_names)
+
+
+@SWITCH
+@pytest.mark.parametrize("options_name", ["default", "full"])
+def test_flat_parameters_round_trip_through_the_api(tmp_path, options_name, switch):
+    run_on_ranks(flat_parameters_round_trip, 2, str(tmp_path / "ckpt"), options_name, switch)
+
+
 def optimizer_only_and_model_only_calls(switch: str) -> None:
     with switched(switch):
         model, optimizer = trained(FSDP)
