@@ -51,8 +51,10 @@ def _wrap(cls: type, use_orig_params: bool, mixed_precision: bool) -> nn.Module:
     return cls(_Net(), **kwargs)
 
 
-def _train(model: nn.Module, compiled: bool) -> list[float]:
-    """``STEPS`` SGD steps on this rank's slice of a seeded global batch; the mean loss over ranks per step."""
+def _train(model: nn.Module, compiled: bool, between: bool = False) -> list[float]:
+    """``STEPS`` SGD steps on this rank's slice of a seeded global batch; the mean loss over ranks per step.
+    ``between``: before each step's own forward, an evaluation forward (no backward) and a micro-batch
+    accumulated under ``no_sync``, the transitions FSDP1 code runs between steps."""
     torch.compiler.reset()  # no graph or guard left over from another model in this rank process
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     run = torch.compile(model) if compiled else model
@@ -60,7 +62,13 @@ def _train(model: nn.Module, compiled: bool) -> list[float]:
     losses = []
     for step in range(STEPS):
         batch = torch.randn(GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(step))
-        loss = run(batch[dist.get_rank() * per_rank:(dist.get_rank() + 1) * per_rank]).float().square().mean()
+        inputs = batch[dist.get_rank() * per_rank:(dist.get_rank() + 1) * per_rank]
+        if between:
+            with torch.no_grad():
+                run(inputs)
+            with model.no_sync():
+                run(inputs[:2]).float().square().mean().backward()
+        loss = run(inputs).float().square().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -77,17 +85,20 @@ def _assert_traced(model: nn.Module, compiled: bool) -> None:
     assert any(net.traced) == compiled, "the wrapped module's forward must be compiled, and only when asked"
 
 
-@pytest.mark.parametrize("use_orig_params, mixed_precision", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("use_orig_params, mixed_precision, between",
+                         [(True, False, False), (False, False, False), (True, True, False), (False, False, True)])
 @distributed_test(2, timeout=600)
-def test_compiled_training_matches_eager_and_fsdp1(use_orig_params: bool, mixed_precision: bool) -> None:
+def test_compiled_training_matches_eager_and_fsdp1(use_orig_params: bool, mixed_precision: bool,
+                                                   between: bool) -> None:
     diff.quiet()
     model = _wrap(FSDP, use_orig_params, mixed_precision)
-    compiled = _train(model, compiled=True)
+    compiled = _train(model, compiled=True, between=between)
     _assert_traced(model, compiled=True)
     model = _wrap(FSDP, use_orig_params, mixed_precision)
-    eager = _train(model, compiled=False)
+    eager = _train(model, compiled=False, between=between)
     _assert_traced(model, compiled=False)
     diff.assert_close_lists(compiled, eager, what="compiled vs eager")
-    key = diff.golden_key("orig" if use_orig_params else "flat", "bf16" if mixed_precision else "fp32")
-    diff.check_against_fsdp1(GOLDEN, key, compiled,
-                             lambda: _train(_wrap(diff.TorchFSDP, use_orig_params, mixed_precision), compiled=True))
+    key = diff.golden_key("orig" if use_orig_params else "flat", "bf16" if mixed_precision else "fp32",
+                          *(["eval-no_sync"] if between else []))
+    diff.check_against_fsdp1(GOLDEN, key, compiled, lambda: _train(
+        _wrap(diff.TorchFSDP, use_orig_params, mixed_precision), compiled=True, between=between))
