@@ -48,7 +48,7 @@ def _wrap(cls: type, use_orig_params: bool, mixed_precision: bool) -> nn.Module:
         kwargs["mixed_precision"] = diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16)
     if cls is not FSDP:
         kwargs.update(diff.fsdp1_kwargs())
-    return cls(_Net(), **kwargs)
+    return cls(_Net().to(diff.device()), **kwargs)
 
 
 def _train(model: nn.Module, compiled: bool, between: bool = False) -> list[float]:
@@ -61,7 +61,7 @@ def _train(model: nn.Module, compiled: bool, between: bool = False) -> list[floa
     per_rank = GLOBAL_BATCH // dist.get_world_size()
     losses = []
     for step in range(STEPS):
-        batch = torch.randn(GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(step))
+        batch = torch.randn(GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(step)).to(diff.device())
         inputs = batch[dist.get_rank() * per_rank:(dist.get_rank() + 1) * per_rank]
         if between:
             with torch.no_grad():

@@ -346,14 +346,17 @@ def _buffer_values(wrapper_class, state_dict_type, use_orig_params: bool, buffer
     """How each buffer's state-dict value relates to the live buffer after a step: ``"itself"``, ``"detached,
     same storage"``, ``"copy"`` (with its dtype) or ``"missing"``."""
     torch.manual_seed(0)
-    kwargs = dict(use_orig_params=use_orig_params, sharding_strategy=getattr(diff.torch_fsdp.ShardingStrategy, strategy),
+    kwargs = dict(use_orig_params=use_orig_params,
+                  sharding_strategy=getattr(diff.torch_fsdp.ShardingStrategy, strategy),
                   auto_wrap_policy=(diff.torch_wrap or fsdp_compat.wrap).ModuleWrapPolicy({_Inner}))
     if buffer_dtype:
-        kwargs["mixed_precision"] = diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+        kwargs["mixed_precision"] = diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                   buffer_dtype=torch.bfloat16)
     if wrapper_class is diff.TorchFSDP:
         kwargs.update(diff.fsdp1_kwargs())
-    model = wrapper_class(_Outer(), **kwargs)
-    model(torch.randn(2, 4)).sum().backward()  # FSDP1 casts buffers to buffer_dtype at its first forward
+    model = wrapper_class(_Outer().to(diff.device()), **kwargs)
+    # A step first: FSDP1 casts the buffers to buffer_dtype at its first forward.
+    model(torch.randn(2, 4, device=diff.device())).sum().backward()
     config_class = {FULL: diff.torch_fsdp.FullStateDictConfig, SHARDED: diff.torch_fsdp.ShardedStateDictConfig,
                     LOCAL: diff.torch_fsdp.LocalStateDictConfig}[state_dict_type]
     with wrapper_class.state_dict_type(model, getattr(diff.torch_fsdp.StateDictType, state_dict_type.name),
