@@ -500,6 +500,7 @@ def _sync_grads_after_backward(state: _engine.FSDPState) -> None:
     if getattr(callback, _ATTR, False):
         return
 
+    @torch.compiler.disable  # as the engine's own callback: dynamo (compiled autograd) must not trace it
     def callback_then_sync() -> None:
         callback()
         for each in state._state_ctx.all_states or [state]:
@@ -519,6 +520,7 @@ def _writeback_before_backward(state: _engine.FSDPState, shards: LocalShards) ->
     keep the engine from accumulating into the gradients it cleared."""
     pre_backward = state._pre_backward
 
+    @torch.compiler.disable  # as the engine's own hook: dynamo (compiled autograd) must not trace it
     def writeback_then_pre_backward(*args: Any, **kwargs: Any) -> Any:
         shards.follow()
         shards.writeback()

@@ -70,10 +70,12 @@ def prepare_individually_wrapped(module: nn.Module,
     return classes
 
 
+@torch.compiler.disable  # outside any compiled graph, as every hook of ours (README: `torch.compile`)
 def _cast_inputs_to_full_precision(module: nn.Module, args: Any) -> Any:
     return _cast_floating_tensors(args, torch.float32, recording_for=module)
 
 
+@torch.compiler.disable  # outside any compiled graph, as every hook of ours (README: `torch.compile`)
 def _cast_outputs_to_input_dtype(module: nn.Module, args: Any, output: Any) -> Any:
     dtype = _input_dtype_of.get(module)  # None: no floating-point input was ever cast (FSDP1 too)
     return None if dtype is None else _cast_floating_tensors(output, dtype, recording_for=module)
@@ -152,6 +154,7 @@ def _install_low_precision_grad_hooks(unit: UnitState) -> None:
         setattr(param, _LOW_PRECISION_GRAD_MARK, policy.param_dtype)
 
 
+@torch.compiler.disable  # outside any compiled graph, as every hook of ours (README: `torch.compile`)
 def _cast_grad(param: torch.Tensor, dtype: torch.dtype) -> None:
     if param.grad is not None and param.grad.dtype != dtype:
         param.grad = param.grad.to(dtype)

@@ -25,6 +25,21 @@ from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy
 
 
+# Everything our forward does around the engine's hooks runs outside a ``torch.compile`` graph, as the
+# engine's own hooks (dynamo would trace into the views' bookkeeping: tensor identities, ``.data`` swaps).
+@torch.compiler.disable
+def pre_forward(unit: UnitState, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A wrapper's work before its wrapped module runs: the root's :func:`root_pre_forward`, and in the
+    first forward, this unit's place in the forward order."""
+    if unit.is_root:
+        args, kwargs = root_pre_forward(unit, args, kwargs)
+    if unit.order_recorder is not None:  # the first forward: record the order
+        unit.order_recorder.append(unit)
+        unit.order_recorder = None
+    return args, kwargs
+
+
 def root_pre_forward(root: UnitState, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     units = units_in(root.wrapper)  # walked once per step, shared by the steps below

@@ -2,10 +2,14 @@
 
 Keys are FSDP1's: clean FQNs (no ``_fsdp_wrapped_module.``), in ``nn.Module.state_dict()`` order of
 the unwrapped model, buffers and ignored modules' states included, a tied weight under each name.
-Values are copies, never views of engine or module memory, so that filling a returned dict
-(``torch.distributed.checkpoint.load``) cannot half-change the model; the one exception is FSDP1's:
-an ignored parameter is given as itself (detached, same storage), so loading into the dict in place
-changes that parameter.
+Parameter values are copies, never views of engine or module memory, so that filling a returned dict
+(``torch.distributed.checkpoint.load``) cannot half-change the model's parameters; the one exception
+is FSDP1's: an ignored parameter is given as itself (detached, same storage), so loading into the dict
+in place changes that parameter. Buffers are given as FSDP1 gives them, for every type: the buffer itself
+(detached; the tensor under ``keep_vars``), so loading into the dict in place changes the buffers, as
+with FSDP1; the exception, also FSDP1's, is FULL and SHARDED under ``buffer_dtype``: every buffer of such
+a unit (ignored modules' excepted) is a copy in its original dtype. ``offload_to_cpu`` copies only what
+is not already on the CPU.
 
 * FULL: plain full tensors (each unit gathered in one collective, in full precision).
   ``rank0_only``: other ranks get only ignored modules' parameters (as FSDP1).
@@ -211,9 +215,9 @@ def _entry_value(entry: Entry, state_dict_type: StateDictType, full: dict[int, t
         if entry.is_plain_param:  # FSDP1 hands out an ignored parameter itself (detached), never a copy
             return entry.value if keep_vars else entry.value.detach()
         if state_dict_type != StateDictType.LOCAL_STATE_DICT and entry.key in restore_dtypes:
-            # A buffer under mixed precision: live in buffer_dtype; the state dict has the original.
+            # A unit's buffers under ``buffer_dtype`` (any dtype, as FSDP1): copies in their original dtypes.
             return entry.value.detach().to(restore_dtypes[entry.key], copy=True)
-        return entry.value if keep_vars else entry.value.detach().clone()
+        return entry.value if keep_vars else entry.value.detach()  # the buffer itself, as FSDP1
     if state_dict_type == StateDictType.FULL_STATE_DICT:
         if not entry.summoned:
             return full[id(sharded)]

@@ -297,11 +297,7 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
         """Run the wrapped module; the engine's hooks all-gather and reshard around it."""
         unit = self._unit
         with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
-            if unit.is_root:
-                args, kwargs = _runtime.root_pre_forward(unit, args, kwargs)
-            if unit.order_recorder is not None:  # the first forward: record the order
-                unit.order_recorder.append(unit)
-                unit.order_recorder = None
+            args, kwargs = _runtime.pre_forward(unit, args, kwargs)
             return self._fsdp_wrapped_module(*args, **kwargs)
 
     @staticmethod

@@ -263,14 +263,21 @@ def test_full_state_dict_mixed_precision_keeps_original_dtypes():
 
 @distributed_test(world_size=2)
 def test_state_dict_values_are_copies():
+    """Parameter values are copies: an in-place change of a returned dict leaves the parameters alone.
+    Buffers are the model's own, as in FSDP1 (``test_buffers_are_given_as_fsdp1_gives_them``): each of the
+    three dicts adds one to them."""
     model = build(FSDP)
     before = diff.model_state(model)
     for state_dict_type in (FULL, SHARDED, LOCAL):
         for value in state_dict_of(model, state_dict_type).values():
             local_part(value).add_(1.0)
     after = diff.model_state(model)
+    buffers = {diff.clean_name(name) for name, _ in model.named_buffers()}
     for key in before:
-        assert torch.equal(before[key], after[key]), key
+        if key in buffers and key in state_dict_of(model, FULL):  # a non-persistent buffer is in none
+            assert torch.equal(before[key] + 3, after[key]), key
+        else:
+            assert torch.equal(before[key], after[key]), key
 
 
 def _ignored_parameter_values(wrapper_class, state_dict_type, keep_vars: bool) -> dict[str, str]:
@@ -306,6 +313,97 @@ def test_ignored_parameters_are_given_as_themselves_like_fsdp1(state_dict_type, 
                                 lambda: _ignored_parameter_values(diff.TorchFSDP, state_dict_type, keep_vars))
     assert ours == expected
     assert set(ours.values()) == {"itself" if keep_vars else "detached, same storage"}
+
+
+class _Inner(nn.Module):
+    """A unit holding a float and an integer buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("stat", torch.arange(4.0))
+        self.register_buffer("count", torch.tensor(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.stat
+
+
+class _Outer(nn.Module):
+    """A root with a buffer of its own around an :class:`_Inner` unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+        self.head = nn.Linear(4, 2)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x)) * self.scale
+
+
+def _buffer_values(wrapper_class, state_dict_type, use_orig_params: bool, buffer_dtype: bool, strategy: str,
+                   keep_vars: bool, **config) -> dict[str, str]:
+    """How each buffer's state-dict value relates to the live buffer after a step: ``"itself"``, ``"detached,
+    same storage"``, ``"copy"`` (with its dtype) or ``"missing"``."""
+    torch.manual_seed(0)
+    kwargs = dict(use_orig_params=use_orig_params,
+                  sharding_strategy=getattr(diff.torch_fsdp.ShardingStrategy, strategy),
+                  auto_wrap_policy=(diff.torch_wrap or fsdp_compat.wrap).ModuleWrapPolicy({_Inner}))
+    if buffer_dtype:
+        kwargs["mixed_precision"] = diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                   buffer_dtype=torch.bfloat16)
+    if wrapper_class is diff.TorchFSDP:
+        kwargs.update(diff.fsdp1_kwargs())
+    model = wrapper_class(_Outer().to(diff.device()), **kwargs)
+    # A step first: FSDP1 casts the buffers to buffer_dtype at its first forward.
+    model(torch.randn(2, 4, device=diff.device())).sum().backward()
+    config_class = {FULL: diff.torch_fsdp.FullStateDictConfig, SHARDED: diff.torch_fsdp.ShardedStateDictConfig,
+                    LOCAL: diff.torch_fsdp.LocalStateDictConfig}[state_dict_type]
+    with wrapper_class.state_dict_type(model, getattr(diff.torch_fsdp.StateDictType, state_dict_type.name),
+                                       config_class(**config)):
+        state = model.state_dict(keep_vars=keep_vars)
+    kinds = {}
+    for name, buffer in model.named_buffers():
+        key = diff.clean_name(name)
+        value = state.get(key)
+        kinds[key] = ("missing" if value is None else "itself" if value is buffer else "detached, same storage"
+                      if value.data_ptr() == buffer.data_ptr() and value.dtype == buffer.dtype
+                      else f"copy, {value.dtype}")
+    return kinds
+
+
+def _buffer_cases(state_dict_type) -> list[tuple[bool, bool, str, bool, dict[str, bool]]]:
+    """(use_orig_params, buffer_dtype, strategy, keep_vars, config) to compare. Not FULL with
+    ``offload_to_cpu``: FSDP1 crashes there on a CPU-only machine (SIGSEGV in its unshard); ours gives
+    what its code does (``.to("cpu")``: the buffer itself when already on the CPU)."""
+    configs: list[dict[str, bool]] = ([{"rank0_only": False}, {"rank0_only": True}] if state_dict_type == FULL
+                                      else [{"offload_to_cpu": False}, {"offload_to_cpu": True}])
+    return list(itertools.product([True, False], [False, True], ["FULL_SHARD", "NO_SHARD"], [False, True], configs))
+
+
+@pytest.mark.parametrize("state_dict_type", [FULL, SHARDED, LOCAL])
+@distributed_test(world_size=2)
+def test_buffers_are_given_as_fsdp1_gives_them(state_dict_type):
+    """FSDP1 gives each buffer itself (detached unless ``keep_vars``), for every type, strategy and config,
+    except FULL and SHARDED under ``buffer_dtype``: copies in the original dtypes (integer buffers too),
+    as does ``NO_SHARD`` (its state dicts are FULL) even when LOCAL is asked for. Every rank's answers
+    (``rank0_only`` leaves other ranks without buffers) against FSDP1's."""
+    diff.quiet()
+
+    def every_rank(wrapper_class) -> list[list[dict[str, str]]]:
+        mine = [_buffer_values(wrapper_class, state_dict_type, *case[:4], **case[4])
+                for case in _buffer_cases(state_dict_type)]
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    ours = every_rank(FSDP)
+    expected = diff.fsdp1_value("state_dict_fsdp1", diff.golden_key("buffer-values", state_dict_type.name),
+                                lambda: every_rank(diff.TorchFSDP))
+    for rank, (ours_rank, expected_rank) in enumerate(zip(ours, expected)):
+        for case, ours_case, expected_case in zip(_buffer_cases(state_dict_type), ours_rank, expected_rank):
+            assert ours_case == expected_case, f"rank {rank}, {case}"
+    assert "detached, same storage" in str(ours) and "copy" in str(ours)  # both kinds compared
 
 
 # ---------------------------------------------------------------------------------------------
