@@ -475,8 +475,9 @@ def _install_distributed_checkpoint_interop() -> bool:
 
     @functools.wraps(get_optim)
     def get_optim_in_layout(model: nn.Module, optimizers: Any, *args: Any, **kwargs: Any) -> Any:
-        with _optimizers_in_layout(dsd, model, optimizers, (*args, *kwargs.values())):
-            return get_optim(model, optimizers, *args, **kwargs)
+        with _optimizers_in_layout(dsd, model, optimizers, (*args, *kwargs.values())) as translated:
+            state_dict = get_optim(model, optimizers, *args, **kwargs)
+            return _copies_of_live_state(state_dict, optimizers) if translated else state_dict
 
     @functools.wraps(load_optim)
     def load_optim_in_layout(model: nn.Module, optimizers: Any, *args: Any, **kwargs: Any) -> Any:
@@ -547,25 +548,52 @@ def set_dcp_optimizer_layout(layout: Callable[[nn.Module, Any], contextlib.Abstr
 
 
 @contextlib.contextmanager
-def _optimizers_in_layout(dsd: Any, model: nn.Module, optimizers: Any, args: tuple[Any, ...]) -> Iterator[None]:
+def _optimizers_in_layout(dsd: Any, model: nn.Module, optimizers: Any, args: tuple[Any, ...]) -> Iterator[bool]:
     """Each optimizer in its layout; the call's parameter-name maps (``_verify_options`` built them from
-    the parameters shown before) rebuilt from the parameters the model holds now, as it builds them."""
+    the parameters shown before) rebuilt from the parameters the model holds now, as it builds them.
+    Yields whether a layout translated an optimizer (its state, for the call, views of its own)."""
     if not _dcp_optimizer_layout:
-        yield
+        yield False
         return
+    translated = False
     with contextlib.ExitStack() as stack:
         for optim in optimizers:
             for layout in _dcp_optimizer_layout:
-                stack.enter_context(layout(model, optim))
+                translated |= bool(getattr(stack.enter_context(layout(model, optim)), "active", False))
         info = next((arg for arg in args if isinstance(arg, dsd._StateDictInfo)), None)
         saved = (info.fqn_param_mapping, info.shared_params_mapping) if info is not None else None
         if info is not None:
             info.fqn_param_mapping, info.shared_params_mapping = _param_name_maps(dsd, model)
         try:
-            yield
+            yield translated
         finally:
             if info is not None and saved is not None:
                 info.fqn_param_mapping, info.shared_params_mapping = saved
+
+
+def _copies_of_live_state(state_dict: Any, optimizers: Any) -> Any:
+    """``state_dict`` (torch's, taken in the layout) with each tensor that is an optimizer's own state
+    object replaced by a copy, in new containers. torch returns ``optim.state_dict()``'s tensors as they
+    are (SHARDED; ``step`` even when FULL), and a translated optimizer's are, for the call, views of its
+    live plain state: the caller would hold tensors the next step changes, and a flat parameter's pieces
+    are DTensors over slices at an offset, which ``copy.deepcopy`` and ``torch.save`` cannot handle
+    (the wrapper's storage offset is the local's, over no storage). FSDP1 returns state of its own."""
+    live = {id(value) for optim in optimizers for param_state in optim.state.values()
+            for value in param_state.values() if isinstance(value, torch.Tensor)}
+    copies: dict[int, torch.Tensor] = {}
+
+    def own(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: own(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [own(item) for item in value]
+        if isinstance(value, torch.Tensor) and id(value) in live:
+            if id(value) not in copies:  # one copy for an object met twice, as deepcopy would
+                copies[id(value)] = value.detach().clone()
+            return copies[id(value)]
+        return value
+
+    return own(state_dict)
 
 
 def _param_name_maps(dsd: Any, model: nn.Module) -> tuple[dict[Any, Any], dict[Any, Any]]:

@@ -10,6 +10,8 @@ training; without FSDP1, the unwrapped model's names.
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 
 import pytest
 import torch
@@ -335,3 +337,114 @@ def test_lightning_style_full_load_works_once_names_are_clean():
     "(tests/test_patch.py, tests/integration/)"))
 def test_lightning_style_full_load_through_the_dtensor_branch():
     run_on_ranks(full_checkpoint_through_dtensor_branch, 2, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a state-dict call returns is the caller's: torchtune, Lightning's checkpoint callbacks and
+# EMA code deep-copy it, save it, or keep it while training goes on
+# ---------------------------------------------------------------------------------------------
+
+FULL_OPTIONS, SHARDED_OPTIONS = StateDictOptions(full_state_dict=True), StateDictOptions()
+
+
+def _state_type(model, kind: str):
+    from torch.distributed.fsdp import StateDictType
+    return type(model).state_dict_type(model, getattr(StateDictType, f"{kind}_STATE_DICT"))
+
+
+def _fsdp1_api(kind: str):
+    def take(model, optimizer):
+        with _state_type(model, kind):
+            model_state = model.state_dict()
+            # FSDP1 has no LOCAL optimizer state dict
+            return model_state, type(model).optim_state_dict(model, optimizer) if kind != "LOCAL" else {}
+    return take
+
+
+# Each call's name and how it is made. The dsd family starts on an optimizer without state (torch's
+# get_state_dict initialises it), then each call follows one more training step.
+CALLS = {
+    "dsd": [
+        ("get_state_dict", lambda m, o: get_state_dict(m, o)),
+        ("get_optimizer_state_dict", lambda m, o: get_optimizer_state_dict(m, o)),
+        ("get_model_state_dict", lambda m, o: get_model_state_dict(m)),
+        ("get_state_dict full", lambda m, o: get_state_dict(m, o, options=FULL_OPTIONS)),
+        ("get_optimizer_state_dict full", lambda m, o: get_optimizer_state_dict(m, o, options=FULL_OPTIONS)),
+        ("get_model_state_dict full", lambda m, o: get_model_state_dict(m, options=FULL_OPTIONS)),
+    ],
+    "fsdp1_api": [(kind, _fsdp1_api(kind)) for kind in ("FULL", "SHARDED", "LOCAL")],
+}
+
+
+def _local_values(tree) -> dict[str, torch.Tensor]:
+    """Each tensor of a state dict, by path, as this rank's plain local values."""
+    found = {}
+    for path, value in _flatten(tree):
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        elif type(value).__name__ == "ShardedTensor":
+            shards = value.local_shards()
+            value = shards[0].tensor if shards else torch.empty(0)
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+    return found
+
+
+def _snapshot(tree) -> dict[str, torch.Tensor]:
+    return {path: value.detach().clone() for path, value in _local_values(tree).items()}
+
+
+def _assert_same(tree, expected: dict[str, torch.Tensor], what: str) -> None:
+    values = _local_values(tree)
+    assert values.keys() == expected.keys(), what
+    for path, value in expected.items():
+        assert torch.equal(values[path], value), f"{what}: {path}"
+
+
+def _live(model, optimizer) -> dict[str, torch.Tensor]:
+    return _snapshot({"params": list(model.parameters()),
+                      "state": [dict(state) for state in optimizer.state.values()]})
+
+
+def taken_state_is_the_callers(wrapper_name: str, use_orig_params: bool, family: str, switch: str) -> None:
+    with switched(switch):
+        model = make(engine(wrapper_name), use_orig_params=use_orig_params)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        steps = 0 if family == "dsd" else STEPS_BEFORE
+        train(model, optimizer, steps, 0)
+        for name, take in CALLS[family]:
+            taken = take(model, optimizer)
+            values = _snapshot(taken)
+            _assert_same(copy.deepcopy(taken), values, f"{name}: deep copy")
+            buffer = io.BytesIO()
+            torch.save(taken, buffer)
+            buffer.seek(0)
+            _assert_same(torch.load(buffer, weights_only=False), values, f"{name}: torch.save + torch.load")
+            if name == "LOCAL":  # FSDP1's LOCAL values are its flat parameters themselves
+                continue
+            train(model, optimizer, 1, steps)
+            steps += 1
+            _assert_same(taken, values, f"{name}: after the next optimizer step")
+            live = _live(model, optimizer)
+            with torch.no_grad():
+                for value in _local_values(taken).values():
+                    value.add_(1)
+            _assert_same({"params": list(model.parameters()),
+                          "state": [dict(state) for state in optimizer.state.values()]},
+                         live, f"{name}: the model and optimizer after editing what it returned")
+
+
+OWNERSHIP_CASES = [("ours", "off"), ("ours", "on"), pytest.param("fsdp1", "off", marks=needs_fsdp1)]
+
+
+@pytest.mark.parametrize("wrapper_name, switch", OWNERSHIP_CASES)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("family", sorted(CALLS))
+def test_returned_state_is_a_copy_that_deep_copies_and_saves(wrapper_name, switch, use_orig_params, family):
+    """Each call's result deep-copies and round-trips through torch.save/torch.load, and shares no memory
+    with the model or the optimizer: the next step leaves it as it was, and editing it changes neither (as
+    FSDP1's, the ``fsdp1`` case). With flat parameters, torch's SHARDED get_state_dict used to return the
+    engine's DTensors over slices of the live flat state, which neither deep-copies nor saves."""
+    if family == "fsdp1_api" and switch == "on":
+        pytest.skip("our own API: the switch changes nothing")
+    run_on_ranks(taken_state_is_the_callers, 2, wrapper_name, use_orig_params, family, switch)
