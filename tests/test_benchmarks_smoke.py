@@ -143,3 +143,19 @@ def test_quick_checkpoint_run(tmp_path: Path) -> None:
     # per rank (gloo's all-gather stages through a fresh copy), and the all-ranks agreement on
     # state_dict_type's arguments (one small all-reduce).
     assert cell["fsdp_compat"]["ckpt:model_full:save_collectives"] == 3 * 2 + 1
+
+
+@distributed_test(world_size=2)
+def test_param_views_counts_the_tensors_each_rank_steps():
+    """``param_views.py --counts`` (tensors stepped per rank, counted from the shapes) agrees with what the
+    optimizer steps after a backward: the plain views and, where importable, torch FSDP1."""
+    import param_views
+    import torch.distributed as dist
+
+    from tests import differential as diff
+
+    warnings.filterwarnings("ignore")
+    expected = param_views._stepped_per_rank("small", 2)
+    for engine in ["plain"] + (["fsdp1"] if diff.HAVE_FSDP1 else []):
+        _, optim = param_views._setup(engine, "small", True, {})
+        assert len(param_views._stepped(optim)) == expected[engine][dist.get_rank()], engine
