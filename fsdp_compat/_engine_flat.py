@@ -262,11 +262,12 @@ class LocalShards:
         return name in module.__dict__ and name not in module._parameters
 
     def show(self) -> None:
-        """Register in the module slots what the user should see: the views (sharded units only); in flat
-        mode, the flat parameters on the unit's module."""
+        """Register in the module slots what the user should see outside forward and backward: the views,
+        also of parameters the engine keeps unsharded for the backward to come (it re-registers those
+        before that backward: :func:`_writeback_before_backward`); in flat mode, the flat parameters on
+        the unit's module."""
         for piece in self.pieces:
-            if piece.fsdp_param.sharded_state == ShardedState.SHARDED:
-                piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
+            piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
         if self.flat_mode:
             self._ensure_flat_params()
             for index, param in enumerate(self.flat_params):
@@ -325,10 +326,13 @@ class LocalShards:
                 self.grad_flats[index] = None
 
     def _flat_grads_to_views(self) -> None:
-        """Flat mode: the flat parameters' ``.grad`` (``None``, the flat gradient, or one the user
-        assigned) decides the pieces' gradients."""
+        """Flat mode: the flat parameters' ``requires_grad`` and ``.grad`` (``None``, the flat gradient, or
+        one the user assigned) decide the pieces'."""
         for index, param in enumerate(self.flat_params):
             members = [piece for piece in self.pieces if piece.buffer == index]
+            for piece in members:
+                if piece.view.requires_grad != param.requires_grad:
+                    piece.view.requires_grad_(param.requires_grad)
             grad = param.grad
             if grad is None:
                 for piece in members:
@@ -421,11 +425,13 @@ class LocalShards:
             self.flat_params = [nn.Parameter(flat, requires_grad=False) for flat in self.flats]
             for index, param in enumerate(self.flat_params):
                 _flat_owner[param] = (weakref.ref(self), index)  # weak: the entry must not keep the unit
+                # Made from the pieces' flags; from then on the user's ``requires_grad_`` on the flat
+                # parameter decides (FSDP1's freezing after wrapping), written to the pieces (writeback).
+                param.requires_grad_(any(piece.view.requires_grad for piece in self.pieces if piece.buffer == index))
         for index, (param, flat) in enumerate(zip(self.flat_params, self.flats)):
             if param.data_ptr() != flat.data_ptr() or param.dtype != flat.dtype or param.shape != flat.shape:
                 param.data = flat
             members = [piece for piece in self.pieces if piece.buffer == index]
-            param.requires_grad_(any(piece.view.requires_grad for piece in members))
             if any(getattr(piece.view, "grad_dtype", "absent") is None for piece in members):
                 param.grad_dtype = None  # keep_low_precision_grads: a gradient in another dtype than the buffer
 
@@ -521,9 +527,65 @@ def _writeback_before_backward(state: _engine.FSDPState, shards: LocalShards) ->
     def writeback_then_pre_backward(*args: Any, **kwargs: Any) -> Any:
         shards.follow()
         shards.writeback()
-        return pre_backward(*args, **kwargs)
+        result = pre_backward(*args, **kwargs)
+        # Parameters the engine kept unsharded since the forward show their views meanwhile; the
+        # backward (activation-checkpoint recompute) reads the module slots: the unsharded ones again.
+        for piece in shards.pieces:
+            fsdp_param = piece.fsdp_param
+            if fsdp_param.sharded_state == ShardedState.UNSHARDED:
+                fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
+        return result
 
     state._pre_backward = writeback_then_pre_backward  # type: ignore[method-assign]
+
+
+def _views_between_iterations(state: _engine.FSDPState, module: nn.Module) -> None:
+    """Hooks on the engine unit ``module`` (idempotent) keeping FSDP1's parameters around each forward.
+
+    After a root forward every unit shows its views again, also where the engine keeps a unit unsharded
+    for the backward (the root, ``SHARD_GRAD_OP``, ``NO_SHARD``); a forward without autograd (evaluation,
+    generation) has no backward to come, so those units are resharded at once. Before a root forward,
+    a unit the engine still holds unsharded from a forward whose backward never ran is resharded, so that
+    the forward all-gathers what the user wrote to the views meanwhile (an EMA swapped in, a schedule-free
+    ``eval()``): FSDP1 computes with its stale unsharded buffer there (pytorch#144289)."""
+    if getattr(state, _ATTR + "_hooks", False):
+        return
+    setattr(state, _ATTR + "_hooks", True)
+
+    def all_states() -> list[_engine.FSDPState]:
+        return list(state._state_ctx.all_states or [state])
+
+    @torch.compiler.disable
+    def reshard_stale(module: nn.Module, args: Any) -> None:
+        if state._state_ctx.iter_forward_root is not None or _in_backward() or _engine.iteration_in_progress(module):
+            return  # not a root forward starting between iterations
+        _reshard_unsharded(all_states())
+
+    @torch.compiler.disable
+    def show_views(module: nn.Module, args: Any, output: Any) -> None:
+        if state._state_ctx.iter_forward_root is not None or _in_backward():
+            return  # inside an enclosing forward, or activation-checkpoint recompute
+        states = all_states()
+        if not torch.is_grad_enabled():
+            _reshard_unsharded(states)
+        for each in states:
+            if (shards := getattr(each, _ATTR, None)) is not None and shards.engine_depth == 0:
+                shards.show()
+
+    module.register_forward_pre_hook(reshard_stale, prepend=True)
+    module.register_forward_hook(show_views)
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _reshard_unsharded(states: list[_engine.FSDPState]) -> None:
+    """The engine's idle unsharded groups of ``states`` resharded: its unsharded parameters freed."""
+    for each in states:
+        for group in each._fsdp_param_groups:
+            if group.is_unsharded:
+                group.reshard()
 
 
 def local_shards(module: nn.Module) -> LocalShards | None:
@@ -537,6 +599,7 @@ def install(module: nn.Module, flat_mode: bool = False) -> LocalShards | None:
     if (state := _engine.engine_state(module)) is not None:
         # Also a unit without parameters of its own: it may be the root, whose final callback the engine runs.
         _sync_grads_after_backward(state)
+        _views_between_iterations(state, module)
     if not _engine.managed_params(module):
         return None
     return local_shards(module) or LocalShards(module, flat_mode)

@@ -1,0 +1,252 @@
+"""FSDP1's parameters at every moment user code runs: after an evaluation forward (no backward), after
+freezing, inside and after ``no_sync``, after a module attribute is replaced, around
+``summon_full_params(rank0_only=True)``.
+
+Each test runs one user pattern three ways: the single-process unsharded model, torch FSDP1 (golden values
+in ``tests/golden/param_transitions.json`` once torch drops it) and ours. Where FSDP1 is right, ours must
+equal it; where FSDP1 computes with a stale unsharded buffer (pytorch#144289: a unit it keeps unsharded
+after a forward without backward, the root or every unit under ``SHARD_GRAD_OP``, ignores what the user
+wrote to its shards meanwhile), ours must equal the unsharded model (README, "What a parameter is").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_compat import FullyShardedDataParallel as FSDP
+from fsdp_compat.testing import distributed_test
+from tests import differential as diff
+
+GOLDEN = "param_transitions"
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+STEPS = 4
+
+
+def _model(kind: str, strategy: str = "FULL_SHARD", use_orig_params: bool = True) -> nn.Module:
+    """The seeded test model: unsharded (``ref``), torch FSDP1 (``fsdp1``) or ours, wrapped per block."""
+    diff.quiet()
+    model = diff.make_model(0)
+    if kind == "ref":
+        return model
+    sharding = getattr(diff.torch_fsdp.ShardingStrategy, strategy)
+    if kind == "fsdp1":
+        return diff.TorchFSDP(model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=use_orig_params,
+                              sharding_strategy=sharding, **diff.fsdp1_kwargs())
+    return FSDP(model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=use_orig_params,
+                sharding_strategy=sharding)
+
+
+def _batch(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the step's global batch; the whole batch for the unsharded model."""
+    if kind == "ref":
+        return diff.synthetic_batch(step, diff.GLOBAL_BATCH, diff.GPTConfig(), diff.device())
+    return diff.local_batch(step)
+
+
+def _mean(loss: torch.Tensor, kind: str) -> float:
+    """The global mean of a per-rank loss (the loss itself for the unsharded model)."""
+    value = loss.detach().clone()
+    if kind != "ref":
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, kind: str) -> float:
+    tokens, targets = _batch(step, kind)
+    loss = diff.loss_fn(model, tokens, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return _mean(loss, kind)
+
+
+def _eval_loss(model: nn.Module, step: int, kind: str) -> float:
+    """An evaluation forward, without autograd (no backward follows)."""
+    model.eval()
+    with torch.no_grad():
+        tokens, targets = _batch(1000 + step, kind)
+        loss = _mean(diff.loss_fn(model, tokens, targets), kind)
+    model.train()
+    return loss
+
+
+def _check(name: str, kind_losses: Any, strategy: str, *key: Any, fsdp1_right: bool) -> None:
+    """Ours equals the unsharded model, and FSDP1 where it is right (``fsdp1_right``)."""
+    ours, reference = kind_losses("ours"), kind_losses("ref")
+    diff.assert_close_lists(ours, reference, rtol=1e-5, what=f"{name} vs the unsharded model")
+    if fsdp1_right:
+        diff.check_against_fsdp1(GOLDEN, diff.golden_key(name, strategy, *key), ours,
+                                 lambda: kind_losses("fsdp1"))
+
+
+# ---- item: a forward without backward (evaluation) -------------------------------------------------
+
+
+def _ema_losses(kind: str, strategy: str, use_orig_params: bool) -> list[float]:
+    """Train; after each step update an EMA of the weights, swap it in with ``p.data.copy_``, evaluate,
+    swap the trained weights back (timm's / Lightning callbacks' pattern)."""
+    model = _model(kind, strategy, use_orig_params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ema = [param.detach().clone() for param in model.parameters()]
+    losses = []
+    for step in range(STEPS):
+        losses.append(_train_step(model, optimizer, step, kind))
+        with torch.no_grad():
+            for average, param in zip(ema, model.parameters()):
+                average.mul_(0.5).add_(param.detach(), alpha=0.5)
+        backup = [param.detach().clone() for param in model.parameters()]
+        for param, average in zip(model.parameters(), ema):
+            param.data.copy_(average)
+        losses.append(_eval_loss(model, step, kind))
+        for param, saved in zip(model.parameters(), backup):
+            param.data.copy_(saved)
+    return losses
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_an_ema_swapped_in_for_evaluation_and_back_is_lossless(strategy, use_orig_params):
+    _check("ema", lambda kind: _ema_losses(kind, strategy, use_orig_params), strategy, use_orig_params,
+           fsdp1_right=strategy == "NO_SHARD")
+
+
+class _ScheduleFreeSGD(torch.optim.Optimizer):
+    """Schedule-free SGD's parameter handling (``schedulefree.SGDScheduleFree``): the parameters hold
+    ``y`` while training and ``x`` after ``eval()``; ``eval()`` and ``train()`` rewrite ``p.data`` in place."""
+
+    def __init__(self, params: Any, lr: float = 0.1, beta: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta})
+        self.steps, self.training = 0, True
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param] = {"z": param.detach().clone(), "x": param.detach().clone()}
+
+    @torch.no_grad()
+    def eval(self) -> None:  # p <- x
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.data.copy_(self.state[param]["x"])
+        self.training = False
+
+    @torch.no_grad()
+    def train(self) -> None:  # p <- y = (1 - beta) z + beta x
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state[param]
+                param.data.copy_(torch.lerp(state["z"], state["x"], group["beta"]))
+        self.training = True
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.steps += 1
+        weight = 1.0 / self.steps
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                state["z"].add_(param.grad, alpha=-group["lr"])
+                state["x"].lerp_(state["z"], weight)
+                param.lerp_(torch.lerp(state["z"], state["x"], group["beta"]), 1.0)  # p <- y, in place
+
+
+def _schedule_free_losses(kind: str, strategy: str, use_orig_params: bool) -> list[float]:
+    model = _model(kind, strategy, use_orig_params)
+    optimizer = _ScheduleFreeSGD(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        losses.append(_train_step(model, optimizer, step, kind))
+        optimizer.eval()
+        losses.append(_eval_loss(model, step, kind))
+        optimizer.train()
+    return losses
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_schedule_free_in_place_rewrites_between_eval_and_train_train_as_unsharded(strategy, use_orig_params):
+    _check("schedule_free", lambda kind: _schedule_free_losses(kind, strategy, use_orig_params), strategy,
+           use_orig_params, fsdp1_right=strategy == "NO_SHARD")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_after_an_evaluation_forward_the_parameters_are_the_optimizer_s(strategy):
+    model = _model("ours", strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, optimizer, 0, "ours")
+    before = [(name, param) for name, param in model.named_parameters()]
+    _eval_loss(model, 0, "ours")
+    after = [(name, param) for name, param in model.named_parameters()]
+    assert [(name, id(param)) for name, param in after] == [(name, id(param)) for name, param in before]
+    optimizer_state = FSDP.optim_state_dict(model, optimizer)  # every parameter is the optimizer's
+    assert set(optimizer_state["state"]) == {diff.clean_name(name) for name, _ in before}
+
+
+def _forward_with_autograd_then_edit_losses(kind: str, strategy: str) -> list[float]:
+    """A forward with autograd but no backward (a validation loss computed outside ``no_grad``), then
+    the weights edited in place, then training: the next forward must see the edit."""
+    model = _model(kind, strategy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = _batch(500 + step, kind)
+        losses.append(_mean(diff.loss_fn(model, tokens, targets), kind))
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(0.99)
+        losses.append(_train_step(model, optimizer, step, kind))
+    return losses
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_a_forward_with_autograd_but_no_backward_then_edits_trains_as_unsharded(strategy):
+    _check("forward_without_backward", lambda kind: _forward_with_autograd_then_edit_losses(kind, strategy),
+           strategy, fsdp1_right=strategy == "NO_SHARD")
+
+
+# ---- item: freezing after wrapping ------------------------------------------------------------------
+
+
+def _frozen_block_run(kind: str, strategy: str, use_orig_params: bool) -> tuple[list[float], dict[str, Any]]:
+    """Freeze block 0 after wrapping (``requires_grad_(False)`` on what its ``parameters()`` yields: the
+    flat parameter with ``use_orig_params=False``, as torch's own freezing tests do), train with weight
+    decay; the losses and block 0's full weights before and after."""
+    model = _model(kind, strategy, use_orig_params)
+    block = model.blocks[0] if kind == "ref" else model.module.blocks[0]
+    for param in block.parameters():
+        param.requires_grad_(False)
+    before = _block_weights(model, kind)
+    optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-2,
+                                  weight_decay=0.1)
+    losses = [_train_step(model, optimizer, step, kind) for step in range(STEPS)]
+    return losses, {"before": before, "after": _block_weights(model, kind)}
+
+
+def _block_weights(model: nn.Module, kind: str) -> dict[str, torch.Tensor]:
+    full = diff.full_parameters(model) if kind != "ref" else {
+        name: param.detach().clone() for name, param in model.named_parameters()}
+    return {name: value for name, value in full.items() if name.startswith("blocks.0.")}
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_parameters_frozen_after_wrapping_stay_bit_identical(strategy, use_orig_params):
+    losses, weights = _frozen_block_run("ours", strategy, use_orig_params)
+    assert weights["before"], "block 0 has parameters"
+    for name, value in weights["before"].items():
+        assert torch.equal(weights["after"][name], value), f"{name} trained although frozen"
+    reference, _ = _frozen_block_run("ref", strategy, use_orig_params)
+    diff.assert_close_lists(losses, reference, rtol=1e-5, what="frozen block vs the unsharded model")
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("frozen_block", strategy, use_orig_params), losses,
+                             lambda: _frozen_block_run("fsdp1", strategy, use_orig_params)[0])
