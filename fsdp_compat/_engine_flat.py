@@ -115,6 +115,9 @@ class LocalShards:
         self.grad_flats: list[torch.Tensor | None] = []
         self.pieces: list[_Piece] = []
         self.flat_params: list[nn.Parameter] = []
+        # ``no_sync``: the unreduced gradients shown (FSDP1's): flat mode's per buffer, and the pieces showing one.
+        self.unreduced_flats: list[torch.Tensor | None] = []
+        self.unreduced_pieces: set[int] = set()
         self._build()
         for piece in self.pieces:
             self._intercept(piece)
@@ -299,6 +302,8 @@ class LocalShards:
         self.absorb_flat_writes()
         if self.flat_mode:
             self._flat_grads_to_views()
+        else:
+            self._unreduced_grads_from_views()
         for piece in self.pieces:
             view, sharded, data = piece.view, piece.fsdp_param.sharded_param, cast(torch.Tensor, piece.data)
             if piece.numel and (view.data_ptr() != piece.data_ptr or view.dtype != data.dtype):
@@ -311,6 +316,8 @@ class LocalShards:
                 view.data = target
             if sharded.requires_grad != view.requires_grad:
                 sharded.requires_grad_(view.requires_grad)
+            if id(piece) in self.unreduced_pieces:
+                continue  # its gradient is the engine's unreduced one (``no_sync``), aliased
             grad = view.grad
             if grad is None:
                 sharded.grad = None
@@ -334,6 +341,20 @@ class LocalShards:
                 if piece.view.requires_grad != param.requires_grad:
                     piece.view.requires_grad_(param.requires_grad)
             grad = param.grad
+            unreduced = self.unreduced_flats[index] if index < len(self.unreduced_flats) else None
+            if unreduced is not None:  # ``no_sync``: the flat unreduced gradient shown
+                if grad is not None and grad.data_ptr() == unreduced.data_ptr():
+                    continue
+                self.unreduced_flats[index] = None
+                self.unreduced_pieces.difference_update(id(piece) for piece in members)
+                if grad is not None and grad.numel() == unreduced.numel():  # replaced: its values kept
+                    unreduced.copy_(grad.reshape(-1))
+                    _set_grad_unchecked(param, unreduced)
+                    self.unreduced_flats[index] = unreduced
+                    self.unreduced_pieces.update(id(piece) for piece in members)
+                    continue
+                for piece in members:  # ``.grad = None``: FSDP1 zeroes it; the engine's is dropped
+                    _drop_unreduced_grad(piece.fsdp_param)
             if grad is None:
                 for piece in members:
                     piece.view.grad = None
@@ -346,9 +367,61 @@ class LocalShards:
             for piece in members:
                 piece.view.grad = _slice(flat, piece)
 
+    def _unreduced_grads_from_views(self) -> None:
+        """``no_sync``: a view showing its unreduced gradient that the user replaced (the values written to the
+        engine's) or set to ``None`` (FSDP1 zeroes it: the engine's is dropped)."""
+        for piece in self.pieces:
+            if id(piece) not in self.unreduced_pieces:
+                continue
+            unreduced, grad = _unreduced_grad(piece.fsdp_param), piece.view.grad
+            if unreduced is not None and grad is not None and grad.data_ptr() == unreduced.data_ptr():
+                continue
+            self.unreduced_pieces.discard(id(piece))
+            if unreduced is not None and grad is not None and grad.shape == unreduced.shape:
+                unreduced.copy_(grad)
+                _set_grad_unchecked(piece.view, unreduced)
+                self.unreduced_pieces.add(id(piece))
+            elif grad is None:
+                _drop_unreduced_grad(piece.fsdp_param)
+                piece.fsdp_param.sharded_param.grad = None
+
+    def _show_unreduced_grads(self) -> None:
+        """After a backward inside ``no_sync`` the engine holds each parameter's gradient unreduced and
+        unsharded (this rank's own accumulation): FSDP1 shows that as ``p.grad``, in the parameter's full
+        shape (``use_orig_params=False``: the flat parameter's ``.grad`` is the unit's unpadded full flat
+        gradient), until a synced backward reduces it. Shown aliased: writes reach what the engine reduces."""
+        self.unreduced_pieces.clear()
+        self.unreduced_flats = [None] * len(self.flats)
+        if not self.flat_mode:
+            for piece in self.pieces:
+                if (unreduced := _unreduced_grad(piece.fsdp_param)) is not None:
+                    _set_grad_unchecked(piece.view, unreduced)
+                    self.unreduced_pieces.add(id(piece))
+            return
+        for index, param in enumerate(self.flat_params):
+            members = [piece for piece in self.pieces if piece.buffer == index]
+            grads = [_unreduced_grad(piece.fsdp_param) for piece in members]
+            present = [grad for grad in grads if grad is not None]
+            if not present or len({grad.dtype for grad in present}) != 1:
+                continue
+            full = torch.zeros(sum(piece.fsdp_param.sharded_param.numel() for piece in members),
+                               dtype=present[0].dtype, device=present[0].device)
+            offset = 0
+            for piece, grad in zip(members, grads):
+                numel = piece.fsdp_param.sharded_param.numel()
+                if grad is not None:
+                    part = full[offset:offset + numel].view(grad.shape)
+                    part.copy_(grad)
+                    _repoint_unreduced_grad(piece.fsdp_param, part)
+                offset += numel
+            _set_grad_unchecked(param, full)
+            self.unreduced_flats[index] = full
+            self.unreduced_pieces.update(id(piece) for piece in members)
+
     @torch.no_grad()
     def sync_grads(self) -> None:
-        """After backward: each view's ``.grad`` a view of the flat local gradient, which is the engine's."""
+        """After backward: each view's ``.grad`` a view of the flat local gradient, which is the engine's
+        (inside ``no_sync``: the unreduced gradient, :meth:`_show_unreduced_grads`)."""
         for index in range(len(self.flats)):
             self._adopt_engine_grads(index)
         for piece in self.pieces:
@@ -372,6 +445,7 @@ class LocalShards:
                     if piece.view.grad is None:
                         flat[piece.offset:piece.offset + piece.numel].zero_()
                 param.grad = flat
+        self._show_unreduced_grads()
 
     def _adopt_engine_grads(self, index: int) -> None:
         """Where the engine's new gradients of buffer ``index`` are views of one 1-D buffer in exactly our
@@ -491,6 +565,47 @@ def _drop_plain_attributes(fsdp_param: FSDPParam) -> None:
     for module, name in _slots(fsdp_param):
         if name not in module._parameters:
             module.__dict__.pop(name, None)
+
+
+def _unreduced_grad(fsdp_param: FSDPParam) -> torch.Tensor | None:
+    """The engine's unreduced, unsharded gradient of ``fsdp_param`` (``no_sync`` accumulation), or ``None``:
+    ``unsharded_accumulated_grad`` when it accumulates in another dtype (torch < 2.15), else the unsharded
+    parameter's ``.grad`` (kept when the engine reshards without reducing)."""
+    accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+    if accumulated is not None:
+        return cast(torch.Tensor, accumulated)
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return unsharded.grad if unsharded is not None else None
+
+
+def _separate_accumulation() -> bool:
+    """torch < 2.15 may keep ``no_sync`` accumulation apart from ``.grad`` (2.15: a read-only view of it)."""
+    return not isinstance(getattr(FSDPParam, "unsharded_accumulated_grad", None), property)
+
+
+def _drop_unreduced_grad(fsdp_param: FSDPParam) -> None:
+    if hasattr(fsdp_param, "_unsharded_param"):
+        fsdp_param._unsharded_param.grad = None
+    if _separate_accumulation():
+        fsdp_param.unsharded_accumulated_grad = None
+
+
+def _repoint_unreduced_grad(fsdp_param: FSDPParam, tensor: torch.Tensor) -> None:
+    """The engine's unreduced gradient becomes ``tensor`` (same shape, values and dtype): writes to it reach
+    the reduction. Where the engine will not take it, it keeps its own (the shown one is then a copy)."""
+    if _separate_accumulation() and getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+        fsdp_param.unsharded_accumulated_grad = tensor
+        return
+    with contextlib.suppress(RuntimeError):
+        fsdp_param._unsharded_param.grad = tensor
+
+
+def _set_grad_unchecked(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad`` aliasing ``grad`` even where shape or dtype differ (FSDP1 shows unsharded gradients on
+    sharded parameters so, through ``.data``, which skips the check ``.grad =`` makes)."""
+    if param.grad is None or param.grad.data_ptr() != grad.data_ptr():
+        param.grad = torch.empty_like(param)
+        cast(torch.Tensor, param.grad).data = grad
 
 
 def _slot_value(fsdp_param: FSDPParam) -> Any:

@@ -250,3 +250,72 @@ def test_parameters_frozen_after_wrapping_stay_bit_identical(strategy, use_orig_
     diff.assert_close_lists(losses, reference, rtol=1e-5, what="frozen block vs the unsharded model")
     diff.check_against_fsdp1(GOLDEN, diff.golden_key("frozen_block", strategy, use_orig_params), losses,
                              lambda: _frozen_block_run("fsdp1", strategy, use_orig_params)[0])
+
+
+# ---- item: gradients inside no_sync ------------------------------------------------------------------
+
+
+def _all_ranks(values: list[float]) -> list[float]:
+    """Every rank's ``values``, concatenated in rank order (the same list on every rank, for goldens)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return [value for part in gathered for value in part]
+
+
+def _unreduced_grad_norms(kind: str, use_orig_params: bool) -> list[float]:
+    """The norm of every ``p.grad`` after two backwards inside ``no_sync`` (this rank's accumulation)."""
+    model = _model(kind, "FULL_SHARD", use_orig_params)
+    with model.no_sync():
+        for step in range(2):
+            diff.loss_fn(model, *_batch(step, kind)).backward()
+    return _all_ranks([param.grad.norm().item() for param in model.parameters() if param.grad is not None])
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@distributed_test(world_size=2)
+def test_gradients_after_no_sync_are_the_unreduced_local_accumulation(use_orig_params):
+    model = _model("ours", "FULL_SHARD", use_orig_params)
+    with model.no_sync():
+        for step in range(2):
+            diff.loss_fn(model, *_batch(step, "ours")).backward()
+    grads = [param.grad for param in model.parameters()]
+    assert all(grad is not None for grad in grads)
+    if use_orig_params:  # each in its parameter's full shape; averaged over ranks: the unsharded model's
+        reference = _model("ref")
+        for step in range(2):
+            diff.loss_fn(reference, *_batch(step, "ref")).backward()
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            average = param.grad.detach().clone()
+            dist.all_reduce(average)
+            average /= dist.get_world_size()
+            assert diff.relative_error(average, expected.grad) < 1e-5, name
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("no_sync_grads", use_orig_params),
+                             _unreduced_grad_norms("ours", use_orig_params),
+                             lambda: _unreduced_grad_norms("fsdp1", use_orig_params))
+
+
+def _edited_no_sync_losses(kind: str, use_orig_params: bool) -> list[float]:
+    """Two micro-batches per step, the first inside ``no_sync``; its gradient halved in between
+    (``p.grad.mul_``), then the synced backward and an SGD step."""
+    model = _model(kind, "FULL_SHARD", use_orig_params)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        context = model.no_sync() if kind != "ref" else torch.enable_grad()
+        with context:
+            diff.loss_fn(model, *_batch(2 * step, kind)).backward()
+        for param in model.parameters():
+            param.grad.mul_(0.5)
+        loss = diff.loss_fn(model, *_batch(2 * step + 1, kind))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(_mean(loss, kind))
+    return losses
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@distributed_test(world_size=2)
+def test_edits_to_gradients_inside_no_sync_reach_the_reduction(use_orig_params):
+    _check("no_sync_edit", lambda kind: _edited_no_sync_losses(kind, use_orig_params), "FULL_SHARD",
+           use_orig_params, fsdp1_right=True)
