@@ -605,7 +605,7 @@ def _set_grad_unchecked(param: torch.Tensor, grad: torch.Tensor) -> None:
     sharded parameters so, through ``.data``, which skips the check ``.grad =`` makes)."""
     if param.grad is None or param.grad.data_ptr() != grad.data_ptr():
         param.grad = torch.empty_like(param)
-        cast(torch.Tensor, param.grad).data = grad
+        param.grad.data = grad
 
 
 def _slot_value(fsdp_param: FSDPParam) -> Any:
