@@ -319,3 +319,28 @@ def _edited_no_sync_losses(kind: str, use_orig_params: bool) -> list[float]:
 def test_edits_to_gradients_inside_no_sync_reach_the_reduction(use_orig_params):
     _check("no_sync_edit", lambda kind: _edited_no_sync_losses(kind, use_orig_params), "FULL_SHARD",
            use_orig_params, fsdp1_right=True)
+
+
+# ---- item: summon_full_params(rank0_only=True) -------------------------------------------------------
+
+
+def _rank0_summon_losses(kind: str, use_orig_params: bool) -> list[float]:
+    """Each step, rank 0 reads the full parameters (``rank0_only=True``, a checkpoint or a log), then
+    everyone trains on."""
+    model = _model(kind, "FULL_SHARD", use_orig_params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        if kind != "ref":
+            with type(model).summon_full_params(model, rank0_only=True, writeback=False):
+                if dist.get_rank() == 0:
+                    assert all(param.dim() > 0 for param in model.parameters())
+        losses.append(_train_step(model, optimizer, step, kind))
+    return losses
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@distributed_test(world_size=2)
+def test_training_after_a_rank0_only_summon_is_unchanged(use_orig_params):
+    _check("rank0_only_summon", lambda kind: _rank0_summon_losses(kind, use_orig_params), "FULL_SHARD",
+           use_orig_params, fsdp1_right=True)
