@@ -54,6 +54,8 @@ _flat_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat parameter -> (L
 # Flat mode's sharded DTensors, by id (as above; the lookup confirms) -> their unit's LocalShards: hidden
 # behind the flat parameters, no optimizer's to step.
 _hidden_in_flat: dict[int, weakref.ref[LocalShards]] = {}
+# The engine's own parameter objects a module slot may hold (not a user's replacement).
+_ENGINE_PARAM_ATTRS = ("sharded_param", "_unsharded_param", "_sharded_post_forward_param")
 _constructing = 0  # wrappers being built: until the outermost is, the engine's DTensors stay registered
 
 ENGINE_NAMES = {
@@ -303,6 +305,7 @@ class LocalShards:
         if self.flat_mode:
             self._flat_grads_to_views()
         else:
+            self._adopt_replaced_parameters()
             self._unreduced_grads_from_views()
         for piece in self.pieces:
             view, sharded, data = piece.view, piece.fsdp_param.sharded_param, cast(torch.Tensor, piece.data)
@@ -366,6 +369,47 @@ class LocalShards:
                 param.grad = flat
             for piece in members:
                 piece.view.grad = _slice(flat, piece)
+
+    def _replaced_parameters(self) -> list[tuple[_Piece, nn.Parameter]]:
+        """The pieces whose module slot the user re-assigned (``module.weight = nn.Parameter(...)``), with
+        the new parameter; FSDP1's errors, before anything changes: ``RuntimeError`` for a shape other than
+        the local shard's, ``NotImplementedError`` for a shared (tied) parameter."""
+        if self.engine_depth or _constructing:
+            return []
+        replaced = []
+        for piece in self.pieces:
+            fsdp_param = piece.fsdp_param
+            current = _slot_value(fsdp_param)
+            if not isinstance(current, nn.Parameter) or current is piece.view or isinstance(current, DTensor) \
+                    or any(current is getattr(fsdp_param, name, None) for name in _ENGINE_PARAM_ATTRS):
+                continue
+            if piece.numel == 0:  # FSDP1 writes nothing back where this rank holds none of it
+                fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+                continue
+            if len(_slots(fsdp_param)) > 1:
+                raise NotImplementedError(f"Changing shared parameters is not supported yet (as in FSDP1): "
+                                          f"{fsdp_param._param_fqn or 'a tied parameter'} is registered under "
+                                          "several names. Write its values in place (p.data.copy_(...)) instead")
+            if current.shape != piece.view.shape:
+                raise RuntimeError(f"Cannot writeback when the parameter shape changes\nExpects {piece.view.shape} "
+                                   f"but got {current.shape}: a parameter assigned as a module attribute replaces "
+                                   "this rank's local shard (FSDP1's rule); assign one of the local shard's shape, "
+                                   "or copy full values inside summon_full_params()")
+            replaced.append((piece, current))
+        return replaced
+
+    def _adopt_replaced_parameters(self) -> None:
+        """A parameter the user assigned as a module attribute becomes the piece's view, its values written to
+        the engine (FSDP1's ``_writeback_orig_params`` keeps the new object)."""
+        for piece, new in self._replaced_parameters():
+            target = cast(torch.Tensor, piece.data)[:piece.numel].view(piece.shape)
+            target.copy_(new.detach())
+            new.data = target
+            _sharded_of_view.pop(piece.view, None)
+            piece.view = new
+            _sharded_of_view[new] = piece.fsdp_param.sharded_param
+            _view_of_sharded[id(piece.fsdp_param.sharded_param)] = weakref.ref(new)
+            piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)  # the new view, in every slot
 
     def _unreduced_grads_from_views(self) -> None:
         """``no_sync``: a view showing its unreduced gradient that the user replaced (the values written to the

@@ -344,3 +344,42 @@ def _rank0_summon_losses(kind: str, use_orig_params: bool) -> list[float]:
 def test_training_after_a_rank0_only_summon_is_unchanged(use_orig_params):
     _check("rank0_only_summon", lambda kind: _rank0_summon_losses(kind, use_orig_params), "FULL_SHARD",
            use_orig_params, fsdp1_right=True)
+
+
+# ---- item: a parameter replaced as a module attribute -------------------------------------------------
+
+
+def _fc(model: nn.Module, kind: str) -> nn.Module:
+    return model.blocks[0].mlp.fc if kind == "ref" else model.module.blocks[0].mlp.fc
+
+
+def _replaced_weight_losses(kind: str) -> list[float]:
+    """``fc.weight = nn.Parameter(...)`` (of the local shard's shape, all 0.01), then training: the new
+    object is the parameter, its value is the model's, and it trains."""
+    model = _model(kind)
+    fc = _fc(model, kind)
+    new = nn.Parameter(torch.full_like(fc.weight, 0.01))
+    fc.weight = new
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert any(param is new for param in model.parameters())
+    losses = [_train_step(model, optimizer, step, kind) for step in range(STEPS)]
+    assert _fc(model, kind).weight is new
+    return losses
+
+
+@distributed_test(world_size=2)
+def test_a_parameter_assigned_as_a_module_attribute_is_written_back():
+    _check("replaced_parameter", _replaced_weight_losses, "FULL_SHARD", fsdp1_right=True)
+
+
+@distributed_test(world_size=2)
+def test_a_parameter_of_another_shape_assigned_as_a_module_attribute_raises_and_changes_nothing():
+    model = _model("ours")
+    before = diff.full_parameters(model)
+    fc = _fc(model, "ours")
+    old = fc.weight
+    fc.weight = nn.Parameter(torch.zeros(128, 32))  # the full shape, not the local shard's
+    with pytest.raises(RuntimeError, match="Cannot writeback when the parameter shape changes"):
+        diff.loss_fn(model, *_batch(0, "ours"))
+    fc.weight = old
+    diff.assert_close_dicts(diff.full_parameters(model), before, rtol=0, what="after the refused replacement")
