@@ -714,21 +714,26 @@ def _views_between_iterations(state: _engine.FSDPState, module: nn.Module) -> No
     def all_states() -> list[_engine.FSDPState]:
         return list(state._state_ctx.all_states or [state])
 
+    def between_iterations() -> bool:
+        """A root forward outside backward (not activation-checkpoint recompute), and outside our entry
+        points (a forward inside ``summon_full_params`` runs on the full parameters registered there)."""
+        return state._state_ctx.iter_forward_root is None and not _in_backward() and not any(
+            shards.engine_depth for each in all_states() if (shards := getattr(each, _ATTR, None)) is not None)
+
     @torch.compiler.disable
     def reshard_stale(module: nn.Module, args: Any) -> None:
-        if state._state_ctx.iter_forward_root is not None or _in_backward() or _engine.iteration_in_progress(module):
-            return  # not a root forward starting between iterations
-        _reshard_unsharded(all_states())
+        if between_iterations() and not _engine.iteration_in_progress(module):
+            _reshard_unsharded(all_states())
 
     @torch.compiler.disable
     def show_views(module: nn.Module, args: Any, output: Any) -> None:
-        if state._state_ctx.iter_forward_root is not None or _in_backward():
-            return  # inside an enclosing forward, or activation-checkpoint recompute
+        if not between_iterations():
+            return
         states = all_states()
         if not torch.is_grad_enabled():
             _reshard_unsharded(states)
         for each in states:
-            if (shards := getattr(each, _ATTR, None)) is not None and shards.engine_depth == 0:
+            if (shards := getattr(each, _ATTR, None)) is not None:
                 shards.show()
 
     module.register_forward_pre_hook(reshard_stale, prepend=True)

@@ -383,3 +383,27 @@ def test_a_parameter_of_another_shape_assigned_as_a_module_attribute_raises_and_
         diff.loss_fn(model, *_batch(0, "ours"))
     fc.weight = old
     diff.assert_close_dicts(diff.full_parameters(model), before, rtol=0, what="after the refused replacement")
+
+
+# ---- the backward after views came back: activation-checkpoint recompute reads the module slots --------
+
+
+def _checkpointed_losses(kind: str, strategy: str) -> list[float]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    diff.quiet()
+    model = diff.make_model(0)
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if kind == "ours":
+        model = FSDP(model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True,
+                     sharding_strategy=getattr(diff.torch_fsdp.ShardingStrategy, strategy))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return [_train_step(model, optimizer, step, kind) for step in range(STEPS)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@distributed_test(world_size=2)
+def test_activation_checkpoint_recompute_after_the_views_came_back_trains_as_unsharded(strategy):
+    diff.assert_close_lists(_checkpointed_losses("ours", strategy), _checkpointed_losses("ref", strategy),
+                            rtol=1e-5, what="activation checkpointing")
