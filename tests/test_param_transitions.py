@@ -191,6 +191,19 @@ def test_after_an_evaluation_forward_the_parameters_are_the_optimizer_s(strategy
     assert set(optimizer_state["state"]) == {diff.clean_name(name) for name, _ in before}
 
 
+@distributed_test(world_size=2)
+def test_after_an_evaluation_forward_under_mixed_precision_the_parameters_are_the_fp32_views():
+    diff.quiet()
+    model = FSDP(diff.make_model(0), auto_wrap_policy=diff.block_policy_torch(), use_orig_params=True,
+                 mixed_precision=diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16))
+    before = {name: param for name, param in model.named_parameters()}
+    with torch.no_grad():
+        model(_batch(0, "ours")[0])
+    after = dict(model.named_parameters())
+    assert all(after[name] is param for name, param in before.items())
+    assert all(param.dtype == torch.float32 and param.dim() == 1 for param in after.values())
+
+
 def _forward_with_autograd_then_edit_losses(kind: str, strategy: str) -> list[float]:
     """A forward with autograd but no backward (a validation loss computed outside ``no_grad``), then
     the weights edited in place, then training: the next forward must see the edit."""
