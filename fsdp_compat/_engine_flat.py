@@ -270,9 +270,12 @@ class LocalShards:
         """Register in the module slots what the user should see outside forward and backward: the views,
         also of parameters the engine keeps unsharded for the backward to come (it re-registers those
         before that backward: :func:`_writeback_before_backward`); in flat mode, the flat parameters on
-        the unit's module."""
+        the unit's module. Mid-iteration (an entry point called from a forward hook) only the sharded
+        ones: the rest of that forward reads the unsharded parameters."""
+        mid_iteration = _engine.iteration_in_progress(self.module)
         for piece in self.pieces:
-            piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
+            if not mid_iteration or piece.fsdp_param.sharded_state == ShardedState.SHARDED:
+                piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
         if self.flat_mode:
             self._ensure_flat_params()
             for index, param in enumerate(self.flat_params):
