@@ -24,7 +24,10 @@ Torch-private names used here (``test_the_engine_still_has_the_storage_names_the
 ``FSDPParam._sharded_param_data``, ``padded_sharded_param_size``, ``sharded_size``, ``sharded_state``,
 ``_setattr_on_modules``, ``reset_sharded_param``, ``to_sharded_dtensor``, ``_module_info``;
 ``DTensor._local_tensor``; ``FSDPState._root_post_backward_final_callback``, ``_pre_backward`` and
-``_state_ctx.all_states``; ``FSDPParamGroup._partial_reduce_output``.
+``_state_ctx.all_states``; ``FSDPParamGroup._partial_reduce_output``. Around forward and in ``no_sync``
+(issue 29): ``FSDPState._fsdp_param_groups``, ``_state_ctx.iter_forward_root``; ``FSDPParamGroup.is_unsharded``,
+``reshard``; ``FSDPParam.unsharded_param``, ``_unsharded_param``, ``unsharded_accumulated_grad``,
+``_sharded_post_forward_param``, ``_param_fqn``; ``torch._C._current_graph_task_id``.
 """
 
 from __future__ import annotations
