@@ -24,7 +24,10 @@ Torch-private names used here (``test_the_engine_still_has_the_storage_names_the
 ``FSDPParam._sharded_param_data``, ``padded_sharded_param_size``, ``sharded_size``, ``sharded_state``,
 ``_setattr_on_modules``, ``reset_sharded_param``, ``to_sharded_dtensor``, ``_module_info``;
 ``DTensor._local_tensor``; ``FSDPState._root_post_backward_final_callback``, ``_pre_backward`` and
-``_state_ctx.all_states``; ``FSDPParamGroup._partial_reduce_output``.
+``_state_ctx.all_states``; ``FSDPParamGroup._partial_reduce_output``. Around forward and in ``no_sync``
+(issue 29): ``FSDPState._fsdp_param_groups``, ``_state_ctx.iter_forward_root``; ``FSDPParamGroup.is_unsharded``,
+``reshard``; ``FSDPParam.unsharded_param``, ``_unsharded_param``, ``unsharded_accumulated_grad``,
+``_sharded_post_forward_param``, ``_param_fqn``; ``torch._C._current_graph_task_id``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ _flat_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat parameter -> (L
 # Flat mode's sharded DTensors, by id (as above; the lookup confirms) -> their unit's LocalShards: hidden
 # behind the flat parameters, no optimizer's to step.
 _hidden_in_flat: dict[int, weakref.ref[LocalShards]] = {}
+# The engine's own parameter objects a module slot may hold (not a user's replacement).
+_ENGINE_PARAM_ATTRS = ("sharded_param", "_unsharded_param", "_sharded_post_forward_param")
 _constructing = 0  # wrappers being built: until the outermost is, the engine's DTensors stay registered
 
 ENGINE_NAMES = {
@@ -116,6 +121,9 @@ class LocalShards:
         self.grad_flats: list[torch.Tensor | None] = []
         self.pieces: list[_Piece] = []
         self.flat_params: list[nn.Parameter] = []
+        # ``no_sync``: the unreduced gradients shown (FSDP1's): flat mode's per buffer, and the pieces showing one.
+        self.unreduced_flats: list[torch.Tensor | None] = []
+        self.unreduced_pieces: set[int] = set()
         self._build()
         for piece in self.pieces:
             self._intercept(piece)
@@ -263,10 +271,14 @@ class LocalShards:
         return name in module.__dict__ and name not in module._parameters
 
     def show(self) -> None:
-        """Register in the module slots what the user should see: the views (sharded units only); in flat
-        mode, the flat parameters on the unit's module."""
+        """Register in the module slots what the user should see outside forward and backward: the views,
+        also of parameters the engine keeps unsharded for the backward to come (it re-registers those
+        before that backward: :func:`_writeback_before_backward`); in flat mode, the flat parameters on
+        the unit's module. Mid-iteration (an entry point called from a forward hook) only the sharded
+        ones: the rest of that forward reads the unsharded parameters."""
+        mid_iteration = _engine.iteration_in_progress(self.module)
         for piece in self.pieces:
-            if piece.fsdp_param.sharded_state == ShardedState.SHARDED:
+            if not mid_iteration or piece.fsdp_param.sharded_state == ShardedState.SHARDED:
                 piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
         if self.flat_mode:
             self._ensure_flat_params()
@@ -299,6 +311,9 @@ class LocalShards:
         self.absorb_flat_writes()
         if self.flat_mode:
             self._flat_grads_to_views()
+        else:
+            self._adopt_replaced_parameters()
+            self._unreduced_grads_from_views()
         for piece in self.pieces:
             view, sharded, data = piece.view, piece.fsdp_param.sharded_param, cast(torch.Tensor, piece.data)
             if piece.numel and (view.data_ptr() != piece.data_ptr or view.dtype != data.dtype):
@@ -311,6 +326,8 @@ class LocalShards:
                 view.data = target
             if sharded.requires_grad != view.requires_grad:
                 sharded.requires_grad_(view.requires_grad)
+            if id(piece) in self.unreduced_pieces:
+                continue  # its gradient is the engine's unreduced one (``no_sync``), aliased
             grad = view.grad
             if grad is None:
                 sharded.grad = None
@@ -326,11 +343,28 @@ class LocalShards:
                 self.grad_flats[index] = None
 
     def _flat_grads_to_views(self) -> None:
-        """Flat mode: the flat parameters' ``.grad`` (``None``, the flat gradient, or one the user
-        assigned) decides the pieces' gradients."""
+        """Flat mode: the flat parameters' ``requires_grad`` and ``.grad`` (``None``, the flat gradient, or
+        one the user assigned) decide the pieces'."""
         for index, param in enumerate(self.flat_params):
             members = [piece for piece in self.pieces if piece.buffer == index]
+            for piece in members:
+                if piece.view.requires_grad != param.requires_grad:
+                    piece.view.requires_grad_(param.requires_grad)
             grad = param.grad
+            unreduced = self.unreduced_flats[index] if index < len(self.unreduced_flats) else None
+            if unreduced is not None:  # ``no_sync``: the flat unreduced gradient shown
+                if grad is not None and grad.data_ptr() == unreduced.data_ptr():
+                    continue
+                self.unreduced_flats[index] = None
+                self.unreduced_pieces.difference_update(id(piece) for piece in members)
+                if grad is not None and grad.numel() == unreduced.numel():  # replaced: its values kept
+                    unreduced.copy_(grad.reshape(-1))
+                    _set_grad_unchecked(param, unreduced)
+                    self.unreduced_flats[index] = unreduced
+                    self.unreduced_pieces.update(id(piece) for piece in members)
+                    continue
+                for piece in members:  # ``.grad = None``: FSDP1 zeroes it; the engine's is dropped
+                    _drop_unreduced_grad(piece.fsdp_param)
             if grad is None:
                 for piece in members:
                     piece.view.grad = None
@@ -343,9 +377,102 @@ class LocalShards:
             for piece in members:
                 piece.view.grad = _slice(flat, piece)
 
+    def _replaced_parameters(self) -> list[tuple[_Piece, nn.Parameter]]:
+        """The pieces whose module slot the user re-assigned (``module.weight = nn.Parameter(...)``), with
+        the new parameter; FSDP1's errors, before anything changes: ``RuntimeError`` for a shape other than
+        the local shard's, ``NotImplementedError`` for a shared (tied) parameter."""
+        if self.engine_depth or _constructing:
+            return []
+        replaced = []
+        for piece in self.pieces:
+            fsdp_param = piece.fsdp_param
+            current = _slot_value(fsdp_param)
+            if not isinstance(current, nn.Parameter) or current is piece.view or isinstance(current, DTensor) \
+                    or any(current is getattr(fsdp_param, name, None) for name in _ENGINE_PARAM_ATTRS):
+                continue
+            if piece.numel == 0:  # FSDP1 writes nothing back where this rank holds none of it
+                fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+                continue
+            if len(_slots(fsdp_param)) > 1:
+                raise NotImplementedError(f"Changing shared parameters is not supported yet (as in FSDP1): "
+                                          f"{fsdp_param._param_fqn or 'a tied parameter'} is registered under "
+                                          "several names. Write its values in place (p.data.copy_(...)) instead")
+            if current.shape != piece.view.shape:
+                raise RuntimeError(f"Cannot writeback when the parameter shape changes\nExpects {piece.view.shape} "
+                                   f"but got {current.shape}: a parameter assigned as a module attribute replaces "
+                                   "this rank's local shard (FSDP1's rule); assign one of the local shard's shape, "
+                                   "or copy full values inside summon_full_params()")
+            replaced.append((piece, current))
+        return replaced
+
+    def _adopt_replaced_parameters(self) -> None:
+        """A parameter the user assigned as a module attribute becomes the piece's view, its values written to
+        the engine (FSDP1's ``_writeback_orig_params`` keeps the new object)."""
+        for piece, new in self._replaced_parameters():
+            target = cast(torch.Tensor, piece.data)[:piece.numel].view(piece.shape)
+            target.copy_(new.detach())
+            new.data = target
+            _sharded_of_view.pop(piece.view, None)
+            piece.view = new
+            _sharded_of_view[new] = piece.fsdp_param.sharded_param
+            _view_of_sharded[id(piece.fsdp_param.sharded_param)] = weakref.ref(new)
+            piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)  # the new view, in every slot
+
+    def _unreduced_grads_from_views(self) -> None:
+        """``no_sync``: a view showing its unreduced gradient that the user replaced (the values written to the
+        engine's) or set to ``None`` (FSDP1 zeroes it: the engine's is dropped)."""
+        for piece in self.pieces:
+            if id(piece) not in self.unreduced_pieces:
+                continue
+            unreduced, grad = _unreduced_grad(piece.fsdp_param), piece.view.grad
+            if unreduced is not None and grad is not None and grad.data_ptr() == unreduced.data_ptr():
+                continue
+            self.unreduced_pieces.discard(id(piece))
+            if unreduced is not None and grad is not None and grad.shape == unreduced.shape:
+                unreduced.copy_(grad)
+                _set_grad_unchecked(piece.view, unreduced)
+                self.unreduced_pieces.add(id(piece))
+            elif grad is None:
+                _drop_unreduced_grad(piece.fsdp_param)
+                piece.fsdp_param.sharded_param.grad = None
+
+    def _show_unreduced_grads(self) -> None:
+        """After a backward inside ``no_sync`` the engine holds each parameter's gradient unreduced and
+        unsharded (this rank's own accumulation): FSDP1 shows that as ``p.grad``, in the parameter's full
+        shape (``use_orig_params=False``: the flat parameter's ``.grad`` is the unit's unpadded full flat
+        gradient), until a synced backward reduces it. Shown aliased: writes reach what the engine reduces."""
+        self.unreduced_pieces.clear()
+        self.unreduced_flats = [None] * len(self.flats)
+        if not self.flat_mode:
+            for piece in self.pieces:
+                if (unreduced := _unreduced_grad(piece.fsdp_param)) is not None:
+                    _set_grad_unchecked(piece.view, unreduced)
+                    self.unreduced_pieces.add(id(piece))
+            return
+        for index, param in enumerate(self.flat_params):
+            members = [piece for piece in self.pieces if piece.buffer == index]
+            grads = [_unreduced_grad(piece.fsdp_param) for piece in members]
+            present = [grad for grad in grads if grad is not None]
+            if not present or len({grad.dtype for grad in present}) != 1:
+                continue
+            full = torch.zeros(sum(piece.fsdp_param.sharded_param.numel() for piece in members),
+                               dtype=present[0].dtype, device=present[0].device)
+            offset = 0
+            for piece, grad in zip(members, grads):
+                numel = piece.fsdp_param.sharded_param.numel()
+                if grad is not None:
+                    part = full[offset:offset + numel].view(grad.shape)
+                    part.copy_(grad)
+                    _repoint_unreduced_grad(piece.fsdp_param, part)
+                offset += numel
+            _set_grad_unchecked(param, full)
+            self.unreduced_flats[index] = full
+            self.unreduced_pieces.update(id(piece) for piece in members)
+
     @torch.no_grad()
     def sync_grads(self) -> None:
-        """After backward: each view's ``.grad`` a view of the flat local gradient, which is the engine's."""
+        """After backward: each view's ``.grad`` a view of the flat local gradient, which is the engine's
+        (inside ``no_sync``: the unreduced gradient, :meth:`_show_unreduced_grads`)."""
         for index in range(len(self.flats)):
             self._adopt_engine_grads(index)
         for piece in self.pieces:
@@ -369,6 +496,7 @@ class LocalShards:
                     if piece.view.grad is None:
                         flat[piece.offset:piece.offset + piece.numel].zero_()
                 param.grad = flat
+        self._show_unreduced_grads()
 
     def _adopt_engine_grads(self, index: int) -> None:
         """Where the engine's new gradients of buffer ``index`` are views of one 1-D buffer in exactly our
@@ -422,11 +550,13 @@ class LocalShards:
             self.flat_params = [nn.Parameter(flat, requires_grad=False) for flat in self.flats]
             for index, param in enumerate(self.flat_params):
                 _flat_owner[param] = (weakref.ref(self), index)  # weak: the entry must not keep the unit
+                # Made from the pieces' flags; from then on the user's ``requires_grad_`` on the flat
+                # parameter decides (FSDP1's freezing after wrapping), written to the pieces (writeback).
+                param.requires_grad_(any(piece.view.requires_grad for piece in self.pieces if piece.buffer == index))
         for index, (param, flat) in enumerate(zip(self.flat_params, self.flats)):
             if param.data_ptr() != flat.data_ptr() or param.dtype != flat.dtype or param.shape != flat.shape:
                 param.data = flat
             members = [piece for piece in self.pieces if piece.buffer == index]
-            param.requires_grad_(any(piece.view.requires_grad for piece in members))
             if any(getattr(piece.view, "grad_dtype", "absent") is None for piece in members):
                 param.grad_dtype = None  # keep_low_precision_grads: a gradient in another dtype than the buffer
 
@@ -488,6 +618,47 @@ def _drop_plain_attributes(fsdp_param: FSDPParam) -> None:
             module.__dict__.pop(name, None)
 
 
+def _unreduced_grad(fsdp_param: FSDPParam) -> torch.Tensor | None:
+    """The engine's unreduced, unsharded gradient of ``fsdp_param`` (``no_sync`` accumulation), or ``None``:
+    ``unsharded_accumulated_grad`` when it accumulates in another dtype (torch < 2.15), else the unsharded
+    parameter's ``.grad`` (kept when the engine reshards without reducing)."""
+    accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+    if accumulated is not None:
+        return cast(torch.Tensor, accumulated)
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return unsharded.grad if unsharded is not None else None
+
+
+def _separate_accumulation() -> bool:
+    """torch < 2.15 may keep ``no_sync`` accumulation apart from ``.grad`` (2.15: a read-only view of it)."""
+    return not isinstance(getattr(FSDPParam, "unsharded_accumulated_grad", None), property)
+
+
+def _drop_unreduced_grad(fsdp_param: FSDPParam) -> None:
+    if hasattr(fsdp_param, "_unsharded_param"):
+        fsdp_param._unsharded_param.grad = None
+    if _separate_accumulation():
+        fsdp_param.unsharded_accumulated_grad = None
+
+
+def _repoint_unreduced_grad(fsdp_param: FSDPParam, tensor: torch.Tensor) -> None:
+    """The engine's unreduced gradient becomes ``tensor`` (same shape, values and dtype): writes to it reach
+    the reduction. Where the engine will not take it, it keeps its own (the shown one is then a copy)."""
+    if _separate_accumulation() and getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+        fsdp_param.unsharded_accumulated_grad = tensor
+        return
+    with contextlib.suppress(RuntimeError):
+        fsdp_param._unsharded_param.grad = tensor
+
+
+def _set_grad_unchecked(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad`` aliasing ``grad`` even where shape or dtype differ (FSDP1 shows unsharded gradients on
+    sharded parameters so, through ``.data``, which skips the check ``.grad =`` makes)."""
+    if param.grad is None or param.grad.data_ptr() != grad.data_ptr():
+        param.grad = torch.empty_like(param)
+        param.grad.data = grad
+
+
 def _slot_value(fsdp_param: FSDPParam) -> Any:
     info = fsdp_param._module_info
     return info.module._parameters.get(info.param_name)
@@ -524,9 +695,70 @@ def _writeback_before_backward(state: _engine.FSDPState, shards: LocalShards) ->
     def writeback_then_pre_backward(*args: Any, **kwargs: Any) -> Any:
         shards.follow()
         shards.writeback()
-        return pre_backward(*args, **kwargs)
+        result = pre_backward(*args, **kwargs)
+        # Parameters the engine kept unsharded since the forward show their views meanwhile; the
+        # backward (activation-checkpoint recompute) reads the module slots: the unsharded ones again.
+        for piece in shards.pieces:
+            fsdp_param = piece.fsdp_param
+            if fsdp_param.sharded_state == ShardedState.UNSHARDED:
+                fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
+        return result
 
     state._pre_backward = writeback_then_pre_backward  # type: ignore[method-assign]
+
+
+def _views_between_iterations(state: _engine.FSDPState, module: nn.Module) -> None:
+    """Hooks on the engine unit ``module`` (idempotent) keeping FSDP1's parameters around each forward.
+
+    After a root forward every unit shows its views again, also where the engine keeps a unit unsharded
+    for the backward (the root, ``SHARD_GRAD_OP``, ``NO_SHARD``); a forward without autograd (evaluation,
+    generation) has no backward to come, so those units are resharded at once. Before a root forward,
+    a unit the engine still holds unsharded from a forward whose backward never ran is resharded, so that
+    the forward all-gathers what the user wrote to the views meanwhile (an EMA swapped in, a schedule-free
+    ``eval()``): FSDP1 computes with its stale unsharded buffer there (pytorch#144289)."""
+    if getattr(state, _ATTR + "_hooks", False):
+        return
+    setattr(state, _ATTR + "_hooks", True)
+
+    def all_states() -> list[_engine.FSDPState]:
+        return list(state._state_ctx.all_states or [state])
+
+    def between_iterations() -> bool:
+        """A root forward outside backward (not activation-checkpoint recompute), and outside our entry
+        points (a forward inside ``summon_full_params`` runs on the full parameters registered there)."""
+        return state._state_ctx.iter_forward_root is None and not _in_backward() and not any(
+            shards.engine_depth for each in all_states() if (shards := getattr(each, _ATTR, None)) is not None)
+
+    @torch.compiler.disable
+    def reshard_stale(module: nn.Module, args: Any) -> None:
+        if between_iterations() and not _engine.iteration_in_progress(module):
+            _reshard_unsharded(all_states())
+
+    @torch.compiler.disable
+    def show_views(module: nn.Module, args: Any, output: Any) -> None:
+        if not between_iterations():
+            return
+        states = all_states()
+        if not torch.is_grad_enabled():
+            _reshard_unsharded(states)
+        for each in states:
+            if (shards := getattr(each, _ATTR, None)) is not None:
+                shards.show()
+
+    module.register_forward_pre_hook(reshard_stale, prepend=True)
+    module.register_forward_hook(show_views)
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _reshard_unsharded(states: list[_engine.FSDPState]) -> None:
+    """The engine's idle unsharded groups of ``states`` resharded: its unsharded parameters freed."""
+    for each in states:
+        for group in each._fsdp_param_groups:
+            if group.is_unsharded:
+                group.reshard()
 
 
 def local_shards(module: nn.Module) -> LocalShards | None:
@@ -540,6 +772,7 @@ def install(module: nn.Module, flat_mode: bool = False) -> LocalShards | None:
     if (state := _engine.engine_state(module)) is not None:
         # Also a unit without parameters of its own: it may be the root, whose final callback the engine runs.
         _sync_grads_after_backward(state)
+        _views_between_iterations(state, module)
     if not _engine.managed_params(module):
         return None
     return local_shards(module) or LocalShards(module, flat_mode)

@@ -245,7 +245,9 @@ class _SummonedParam:
                     if (with_grads and (writeback or self.keeps_grad_edits) and current.grad is not None
                             and grad is not None):
                         grad.to_local().copy_(shard_like(current.grad, grad).to_local())
-        _engine.register_param(self.slots, self.registered)
+            _engine.register_param(self.slots, self.registered)
+        # A rank that kept its shards (``rank0_only``) replaced nothing: its slots hold what the user sees
+        # (with ``use_orig_params=False``, plain tensor attributes that registering would turn into parameters).
 
 
 def _validate_summon_args(units: list[UnitState], writeback: bool, rank0_only: bool,
