@@ -481,6 +481,17 @@ def test_the_engine_still_has_the_storage_names_the_views_rely_on():
         assert hasattr(fsdp_param, name), f"FSDPParam.{name}"
     assert hasattr(fsdp_param.sharded_param, "_local_tensor")
     assert hasattr(_engine.engine_state(model.module)._state_ctx, "all_states")
+    # The transitions around forward and in no_sync (views back after an evaluation forward, gradients in no_sync).
+    state = _engine.engine_state(model.module)
+    assert hasattr(state, "_fsdp_param_groups") and hasattr(state._state_ctx, "iter_forward_root")
+    for name in ("unsharded_param", "_unsharded_param", "unsharded_accumulated_grad",
+                 "_sharded_post_forward_param", "_param_fqn"):
+        # Some are set only at the first all-gather: the class's annotations name them.
+        known = set(dir(type(fsdp_param))) | set(type(fsdp_param).__annotations__) | set(vars(fsdp_param))
+        assert name in known, f"FSDPParam.{name}"
+    assert all(hasattr(group, "is_unsharded") and callable(getattr(group, "reshard", None))
+               for group in _engine.param_groups(model.module))
+    assert callable(getattr(torch._C, "_current_graph_task_id", None))
     # Adopting the reduce-scatter output as the flat gradient is unsafe while the engine keeps it.
     assert all(hasattr(group, "_partial_reduce_output") for group in _engine.param_groups(model.module))
 
