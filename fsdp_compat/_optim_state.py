@@ -461,13 +461,26 @@ def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, 
     return (osd if is_rank0 else skeleton), received
 
 
+def _holds_sharded_values(osd: Any) -> bool:
+    """Whether ``osd`` holds a ``DTensor`` or ``ShardedTensor`` state value (its conversion may communicate)."""
+    state = osd.get("state") if isinstance(osd, Mapping) else None
+    return isinstance(state, Mapping) and any(
+        isinstance(value, DTensor) or is_sharded_tensor(value)
+        for param_state in state.values() if isinstance(param_state, Mapping) for value in param_state.values())
+
+
 def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
                    rank0_only: bool = False, group: Any = None, named_keys: bool = False,
-                   load_directly: bool = False) -> dict[str, Any]:
+                   load_directly: bool = False, local: bool = False) -> dict[str, Any]:
     """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as ``optim.load_state_dict``
     takes it, as new memory. Every rank validates what it reads (only rank 0 under ``rank0_only``)
-    and all agree on the outcome before anything is converted: all raise, or none."""
-    groups = [_model_group(model, group)] if dist.is_initialized() else []
+    and all agree on the outcome before anything is converted: all raise, or none. ``local``: a
+    call FSDP1 makes without communicating (a FULL load on every rank, ``shard_full_optim_state_dict``):
+    no collective at all when ``osd`` holds plain tensors only (each rank slices its own piece), so a
+    rank may call it alone (OLMo loads rank by rank); each rank validates its own input and a rank that
+    raises changes nothing, as in FSDP1."""
+    local = local and not rank0_only and not _holds_sharded_values(osd)
+    groups = [_model_group(model, group)] if dist.is_initialized() and not local else []
     reads_input = not (rank0_only and groups) or dist.get_rank(groups[0]) == 0
     with all_ranks_agree(groups, "The optimizer state dict",
                          "no optimizer state was converted or loaded on any rank"):
@@ -656,7 +669,7 @@ def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn
     the optimizer's ids: ready for ``optim.load_state_dict``. No communication."""
     _warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
     _warn_optim_input(optim_input)
-    return _import(model, optim, full_optim_state_dict, optim_input=optim_input)
+    return _import(model, optim, full_optim_state_dict, optim_input=optim_input, local=True)
 
 
 def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
@@ -736,8 +749,9 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
     Under FULL with ``rank0_only``, only rank 0's input is read. The input is validated whole
     before anything is converted, so on error the optimizer is untouched.
     """
-    result = _import(model, optim, optim_state_dict, rank0_only=_configured(model)[1], group=group,
-                     named_keys=is_named_optimizer, load_directly=load_directly)
+    full, rank0_only = _configured(model)[:2]
+    result = _import(model, optim, optim_state_dict, rank0_only=rank0_only, group=group,
+                     named_keys=is_named_optimizer, load_directly=load_directly, local=full)
     if load_directly:
         optim.load_state_dict(result)
     return result

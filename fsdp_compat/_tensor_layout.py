@@ -354,6 +354,20 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def converts_locally(value: Any, like: torch.Tensor | None) -> bool:
+    """Whether :func:`to_layout_of` (``like`` a tensor) or :func:`to_full` (``like`` ``None``) turns ``value``
+    into its target without communication: a plain tensor, or a DTensor / ``ShardedTensor`` already cut as
+    ``like`` (decided from global metadata: alike on every rank)."""
+    if not (isinstance(value, DTensor) or is_sharded_tensor(value)):
+        return True
+    if not isinstance(like, DTensor):
+        return False
+    if is_sharded_tensor(value):
+        return _sharded_tensor_piece(value, like) is not None
+    return (value.shape, value.device_mesh, tuple(value.placements)) == (
+        like.shape, like.device_mesh, tuple(like.placements))
+
+
 def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
     """``value`` (any layout, global shape of ``like``) in ``like``'s layout, on its device; without
     communication when ``value`` is a DTensor or ``ShardedTensor`` sharded exactly as ``like`` (a
