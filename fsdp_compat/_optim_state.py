@@ -22,12 +22,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _engine, _optim_views, _orig_params, _state_dict
+from . import _engine, _engine_flat, _optim_views, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._tensor_layout import (GatherBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
                              is_replicated_only, is_sharded_tensor, local_copy, scatter_like, scatterable,
-                             to_layout_of)
+                             to_full, to_layout_of)
 from ._unit_state import UnitState, state_of, units_in
 from .api import OptimStateKeyType, StateDictType
 
@@ -79,6 +79,13 @@ def _flat_positions(model: nn.Module, units: list[UnitState],
     unit_params: dict[int, list[nn.Parameter]] = {}  # by ``id`` of the unit's wrapper
     for param, unit in unit_of.items():
         unit_params.setdefault(id(units[unit].wrapper), []).append(param)
+    for unit_state in units:
+        # FSDP1 flattens a unit's parameters in ``named_parameters()`` order (a module's own before its
+        # children's); the engine's order puts children first.
+        order = {param: place for place, param in enumerate(unit_state.module.parameters())}
+        params = unit_params.get(id(unit_state.wrapper))
+        if params is not None:
+            params.sort(key=lambda param: order.get(param, len(order)))
     position: dict[nn.Parameter, int] = {}
     for module in model.modules():
         for param in [*unit_params.get(id(module), []), *module.parameters(recurse=False)]:
@@ -216,7 +223,8 @@ def _export_engine(model: nn.Module, optim: Any, source: Mapping[str, Any] | Non
     """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED (``ShardedTensor``
     values, ``DTensor`` ones if ``dtensor``). Every rank must call (gathers); with ``rank0_only`` other
     ranks get ``{}``."""
-    _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
+    if isinstance(optim, torch.optim.Optimizer):
+        _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
     source = optim.state_dict() if source is None else source
     group = _model_group(model, group)
     # An optimizer over other parameters (or a bad ``optim_state_dict``) on one rank only must not
@@ -372,9 +380,22 @@ def _check_flat_scalar_states(state: Mapping[str, Any], index: _ParamIndex) -> N
 def _distinct(values: Iterable[Any]) -> list[Any]:
     distinct: list[Any] = []
     for value in values:
-        if not any(value == seen for seen in distinct):
+        if not any(_same_value(value, seen) for seen in distinct):
             distinct.append(value)
     return distinct
+
+
+def _same_value(first: Any, second: Any) -> bool:
+    """Equal values, tensors compared whole, also inside lists, tuples and dicts (SOAP keeps lists of
+    tensors as state, where ``==`` would compare element-wise)."""
+    if torch.is_tensor(first) or torch.is_tensor(second):
+        return torch.is_tensor(first) and torch.is_tensor(second) and torch.equal(first, second)
+    if isinstance(first, (list, tuple)) and isinstance(second, (list, tuple)):
+        return type(first) is type(second) and len(first) == len(second) and all(
+            _same_value(a, b) for a, b in zip(first, second))
+    if isinstance(first, Mapping) and isinstance(second, Mapping):
+        return first.keys() == second.keys() and all(_same_value(first[key], second[key]) for key in first)
+    return bool(first == second)
 
 
 def _as_set(values: list[Any]) -> Any:
@@ -398,14 +419,20 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
         if not isinstance(param_state, Mapping):
             raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
                              f"not {type(param_state).__name__}")
+        replicated = _replicated(param)
         for state_name, value in param_state.items():
-            if torch.is_tensor(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
+            # A replicated parameter's state is carried whole, whatever its shape (AdaFactor's factored
+            # rows / columns under NO_SHARD), as FSDP1's; a sharded one's is cut as the parameter.
+            if torch.is_tensor(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape) \
+                    and not replicated:
                 raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
                                  f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
                                  "not belong to this model")
         if optim is None:  # optim_input given instead: the class is unknown
             continue
         local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
+        if not replicated and _steps_plain_shard(param):
+            local = local.reshape(-1)  # the optimizer steps FSDP1's 1-D shard (AdaFactor: unfactored)
         key = (group_of[param], local.dim(), local.dtype, local.device)
         if key not in learned:
             learned[key] = _learn_state_kinds(optim, hyper_parameters[group_of[param]], local)
@@ -413,13 +440,36 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
             _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 
+def _steps_plain_shard(param: nn.Parameter) -> bool:
+    """Whether the optimizer steps ``param`` (an engine parameter) through FSDP1's plain 1-D shard: a
+    local-shard view or a flat parameter, not the engine's DTensor."""
+    return _engine_flat.view_of_sharded(param) is not None or _engine_flat.hidden_in_flat_parameter(param)
+
+
 def _import_value(value: Any, param: nn.Parameter) -> Any:
-    """One saved state value in the layout of ``param``'s state, as new memory."""
+    """One saved state value in the layout of ``param``'s state, as new memory. Tensors inside lists,
+    tuples or dicts (SOAP's) are taken whole, as FSDP1 does (gathered where saved sharded)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_import_value_whole(item) for item in value)
+    if isinstance(value, Mapping):
+        return {key: _import_value_whole(item) for key, item in value.items()}
     if not torch.is_tensor(value):
         return copy.deepcopy(value)
     if len(value.shape) == 0:  # scalar state (``step``): the optimizer places it itself
         return copy_to(value.to_local() if isinstance(value, DTensor) else value)
+    if tuple(value.shape) != tuple(param.shape):  # a replicated parameter's state of another shape
+        return copy_to(to_full(value))
     return to_layout_of(value, param)
+
+
+def _import_value_whole(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_import_value_whole(item) for item in value)
+    if isinstance(value, Mapping):
+        return {key: _import_value_whole(item) for key, item in value.items()}
+    if torch.is_tensor(value):
+        return copy_to(to_full(value))
+    return copy.deepcopy(value)
 
 
 def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
@@ -462,11 +512,19 @@ def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, 
 
 
 def _holds_sharded_values(osd: Any) -> bool:
-    """Whether ``osd`` holds a ``DTensor`` or ``ShardedTensor`` state value (its conversion may communicate)."""
+    """Whether ``osd`` holds a ``DTensor`` or ``ShardedTensor`` state value, also inside a list (SOAP's):
+    its conversion may communicate."""
+    def sharded(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return any(sharded(item) for item in value)
+        if isinstance(value, Mapping):
+            return any(sharded(item) for item in value.values())
+        return isinstance(value, DTensor) or is_sharded_tensor(value)
+
     state = osd.get("state") if isinstance(osd, Mapping) else None
     return isinstance(state, Mapping) and any(
-        isinstance(value, DTensor) or is_sharded_tensor(value)
-        for param_state in state.values() if isinstance(param_state, Mapping) for value in param_state.values())
+        sharded(value) for param_state in state.values() if isinstance(param_state, Mapping)
+        for value in param_state.values())
 
 
 def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
@@ -525,10 +583,23 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *,
             optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
     """:func:`_export_engine` in the engine's layout (FSDP1's plain parameters translated: ``_optim_views``)."""
     optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None  # read twice
+    wrapper = _optimizer_like(optim)
+    if wrapper and source is None:  # its state in the plain layout, before the engine's is shown
+        source = optim.state_dict()
     with _optim_views.engine_layout(model, optim, optim_input) as translation:
         if translation is not None and translation.active and source is not None:
             source = translation.engine_source(source)
-        return _export_engine(model, optim, source, optim_input=_engine_input(optim_input, translation), **kwargs)
+        engine_input = _engine_input(optim_input if optim_input is not None or not wrapper
+                                     else cast(OptimInput, optim.param_groups), translation)
+        return _export_engine(model, optim, source, optim_input=engine_input, **kwargs)
+
+
+def _optimizer_like(optim: Any) -> bool:
+    """An optimizer that is not a ``torch.optim.Optimizer`` (mmengine's ``OptimWrapper``): it has
+    ``param_groups`` and ``state_dict()``, as FSDP1 asks of one, but maybe no ``state`` to show in the
+    engine's layout, so its ``state_dict()`` is translated instead."""
+    return (optim is not None and not isinstance(optim, torch.optim.Optimizer) and hasattr(optim, "param_groups")
+            and callable(getattr(optim, "state_dict", None)))
 
 
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
@@ -537,7 +608,9 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
     optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None
     with _optim_views.engine_layout(model, optim, optim_input) as translation:
         engine_input = _engine_input(optim_input, translation)
-        if translation is not None and engine_input is None and not isinstance(optim, torch.optim.Optimizer):
+        if translation is not None and engine_input is None and _optimizer_like(optim):
+            engine_input = _engine_input(cast(OptimInput, optim.param_groups), translation)
+        elif translation is not None and engine_input is None and not isinstance(optim, torch.optim.Optimizer):
             engine_input = translation.engine_params(translation.params)  # model.parameters()'s order
         result = _import_engine(model, optim, osd, optim_input=engine_input, **kwargs)
     return result if translation is None or not translation.active else translation.plain_result(result)
@@ -574,7 +647,9 @@ def _learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: to
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            throwaway = type(optim)([{**hyper_parameters, "params": [tiny]}])
+            # Copies: a hyper-parameter may be a tensor the step changes in place (Prodigy's ``d_numerator``).
+            own = {key: copy.deepcopy(value) for key, value in hyper_parameters.items() if key != "params"}
+            throwaway = type(optim)([{**own, "params": [tiny]}])
             tiny.grad = torch.zeros_like(tiny)
             throwaway.step()
         kinds: _StateKinds | None = {name: _kind(value, tuple(tiny.shape))
