@@ -606,9 +606,10 @@ def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput =
     """:func:`_import_engine` in the engine's layout; the result keyed and laid out as ``optim`` holds it
     (without an optimizer: as ``optim_input``, else ``model.parameters()``, orders them)."""
     optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None
-    with _optim_views.engine_layout(model, optim, optim_input) as translation:
+    # The optimizer's state is not read: only its groups, given in the engine's parameters.
+    with _optim_views.engine_layout(model, optim, optim_input, show_optimizer=False) as translation:
         engine_input = _engine_input(optim_input, translation)
-        if translation is not None and engine_input is None and _optimizer_like(optim):
+        if translation is not None and engine_input is None and hasattr(optim, "param_groups"):
             engine_input = _engine_input(cast(OptimInput, optim.param_groups), translation)
         elif translation is not None and engine_input is None and not isinstance(optim, torch.optim.Optimizer):
             engine_input = translation.engine_params(translation.params)  # model.parameters()'s order

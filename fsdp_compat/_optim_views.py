@@ -194,10 +194,14 @@ def _has_local_shards(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iterator[Translation | None]:
+def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None,
+                  show_optimizer: bool = True) -> Iterator[Translation | None]:
     """For the duration: ``model`` shows the engine's DTensors and ``optim`` holds them, its state as
     DTensors over the same memory; yields the :class:`Translation` (``None``: DTensor parameters) of the
-    optimizer's parameters, else of ``optim_input``'s (a list), else of ``model.parameters()``."""
+    optimizer's parameters, else of ``optim_input``'s (a list), else of ``model.parameters()``.
+    ``show_optimizer=False``: the optimizer is left as it is (a load reads only its parameter groups,
+    which the caller translates: installing and restoring its whole state costs more than the load's
+    own bookkeeping)."""
     if not _has_local_shards(model):
         yield None
         return
@@ -214,7 +218,7 @@ def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iter
     pieces = [_pieces_of(param) for param in params]
     translation = Translation(params, pieces, [_engine_flat.flat_pieces(p) is not None for p in params])
     with _engine_flat.engine_params(model.modules()):
-        if not is_optimizer or not translation.active:
+        if not is_optimizer or not translation.active or not show_optimizer:
             yield translation
             return
         saved_state = dict(optim.state)
