@@ -66,6 +66,7 @@ class _ParamIndex:
     flat_params: bool                       # the optimizer steps FSDP1 flat parameters (one scalar state a unit)
     unit_of: dict[nn.Parameter, int]        # pre-order index of the owning unit (managed only)
     flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
+    plain_units: set[int] = dataclasses.field(default_factory=set)  # units showing FSDP1's plain shards
 
     def in_flat_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """Grouped by flat parameter as FSDP1 ``use_orig_params=False`` lists them; else as given (stable)."""
@@ -124,7 +125,9 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
                        flat_order=flat_order, flat_params=flat_order and not units[0].dtensor_params,
                        unit_of=unit_of,
                        # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
-                       flat_position=_flat_positions(model, units, unit_of) if flat_order else {})
+                       flat_position=_flat_positions(model, units, unit_of) if flat_order else {},
+                       plain_units={number for number, unit in enumerate(units)
+                                    if _engine_flat.local_shards(unit.module) is not None})
 
 
 def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -431,19 +434,13 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
         if optim is None:  # optim_input given instead: the class is unknown
             continue
         local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
-        if not replicated and _steps_plain_shard(param):
+        if not replicated and index.unit_of.get(param, -1) in index.plain_units:
             local = local.reshape(-1)  # the optimizer steps FSDP1's 1-D shard (AdaFactor: unfactored)
         key = (group_of[param], local.dim(), local.dtype, local.device)
         if key not in learned:
             learned[key] = _learn_state_kinds(optim, hyper_parameters[group_of[param]], local)
         if (expected := learned[key]) is not None:
             _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
-
-
-def _steps_plain_shard(param: nn.Parameter) -> bool:
-    """Whether the optimizer steps ``param`` (an engine parameter) through FSDP1's plain 1-D shard: a
-    local-shard view or a flat parameter, not the engine's DTensor."""
-    return _engine_flat.view_of_sharded(param) is not None or _engine_flat.hidden_in_flat_parameter(param)
 
 
 def _import_value(value: Any, param: nn.Parameter) -> Any:
