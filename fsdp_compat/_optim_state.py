@@ -26,7 +26,7 @@ from . import _engine, _engine_flat, _optim_views, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._tensor_layout import (GatherBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
-                             is_replicated_only, is_sharded_tensor, local_copy, scatter_like, scatterable,
+                             is_replicated_only, is_sharded_tensor, local_copy, local_piece, scatter_like, scatterable,
                              to_full, to_layout_of)
 from ._unit_state import UnitState, state_of, units_in
 from .api import OptimStateKeyType, StateDictType
@@ -443,9 +443,16 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
             _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 
-def _import_value(value: Any, param: nn.Parameter) -> Any:
+def _import_value(value: Any, param: nn.Parameter, plain: bool = False) -> Any:
     """One saved state value in the layout of ``param``'s state, as new memory. Tensors inside lists,
-    tuples or dicts (SOAP's) are taken whole, as FSDP1 does (gathered where saved sharded)."""
+    tuples or dicts (SOAP's) are taken whole, as FSDP1 does (gathered where saved sharded). ``plain``:
+    the optimizer steps FSDP1's plain shard of ``param``; a full tensor is cut straight into its layout
+    (1-D where sharded), no ``DTensor`` made."""
+    if plain and isinstance(param, DTensor) and torch.is_tensor(value) and len(value.shape) > 0 \
+            and not (isinstance(value, DTensor) or is_sharded_tensor(value)) \
+            and tuple(value.shape) == tuple(param.shape):
+        piece = local_piece(value.detach(), param)
+        return piece if _replicated(param) else piece.reshape(-1)
     if isinstance(value, (list, tuple)):
         return type(value)(_import_value_whole(item) for item in value)
     if isinstance(value, Mapping):
@@ -552,9 +559,10 @@ def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: Optim
     state: dict[ParamKey, Any] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
+        plain = index.unit_of.get(param, -1) in index.plain_units
         state[index.key_of[param]] = {
             state_name: received[name, state_name] if (name, state_name) in received
-            else _import_value(value, param) for state_name, value in param_state.items()}
+            else _import_value(value, param, plain) for state_name, value in param_state.items()}
     if "param_groups" not in osd:
         return {"state": state}
     return {"state": state, "param_groups": [_keyed_group(saved, index) for saved in osd["param_groups"]]}
