@@ -59,6 +59,12 @@ PATHS = (
              "get_optimizer_state_dict(full, cpu_offload) / set_(full, broadcast_from_rank0)"),
     PathSpec("legacy_full_shard", "full_optim_state_dict(rank0_only=False) / shard_full_optim_state_dict + load",
              "get/set_optimizer_state_dict(full_state_dict=True)"),
+    PathSpec("model_local", "LOCAL model state_dict / load_state_dict",
+             "get/set_model_state_dict() (torch has no LOCAL type)"),
+    PathSpec("optim_local", "LOCAL optim_state_dict / optim_state_dict_to_load + load",
+             "get/set_optimizer_state_dict() (torch has no LOCAL type)"),
+    PathSpec("legacy_sharded_flatten", "sharded_optim_state_dict / flatten_sharded_optim_state_dict + load",
+             "get/set_optimizer_state_dict()"),
     PathSpec("dcp", "DCP: get_state_dict + dcp.save / dcp.load + set_state_dict",
              "the same calls"),
 )
@@ -67,6 +73,7 @@ PATHS = (
 def _fsdp1_style(engine: FSDP1StyleEngine) -> dict[str, tuple[Save, Load | None]]:
     fsdp, api = engine.fsdp, engine.api
     full, sharded = api.StateDictType.FULL_STATE_DICT, api.StateDictType.SHARDED_STATE_DICT
+    local = api.StateDictType.LOCAL_STATE_DICT
 
     def model_save(kind: Any, config: Any = None) -> Save:
         def save(model: nn.Module, optim: Any) -> Any:
@@ -113,7 +120,19 @@ def _fsdp1_style(engine: FSDP1StyleEngine) -> dict[str, tuple[Save, Load | None]
             lambda model, optim: fsdp.full_optim_state_dict(model, optim, rank0_only=False),
             lambda model, optim, state: optim.load_state_dict(
                 fsdp.shard_full_optim_state_dict(state, model, optim=optim))),
+        "model_local": (model_save(local), model_load(local)),
+        "optim_local": (optim_save(local), optim_load(local)),
+        "legacy_sharded_flatten": (
+            lambda model, optim: _sharded_legacy(fsdp, api, model, optim),
+            lambda model, optim, state: optim.load_state_dict(
+                fsdp.flatten_sharded_optim_state_dict(state, model, optim))),
     }
+
+
+def _sharded_legacy(fsdp: Any, api: Any, model: nn.Module, optim: Any) -> Any:
+    """``sharded_optim_state_dict``, under SHARDED as FSDP1 needs it for its ShardedTensors."""
+    with fsdp.state_dict_type(model, api.StateDictType.SHARDED_STATE_DICT):
+        return fsdp.sharded_optim_state_dict(model, optim)
 
 
 def _raw() -> dict[str, tuple[Save, Load | None]]:
@@ -154,6 +173,12 @@ def _raw() -> dict[str, tuple[Save, Load | None]]:
         "legacy_full_scatter": (optim_offload, optim_from_rank0),
         "legacy_full_shard": (lambda m, o: get_optimizer_state_dict(m, o, options=full),
                               lambda m, o, s: set_optimizer_state_dict(m, o, s, options=full)),
+        "model_local": (lambda m, o: get_model_state_dict(m, options=sharded),
+                        lambda m, o, s: set_model_state_dict(m, s, options=sharded)),
+        "optim_local": (lambda m, o: get_optimizer_state_dict(m, o, options=sharded),
+                        lambda m, o, s: set_optimizer_state_dict(m, o, s, options=sharded)),
+        "legacy_sharded_flatten": (lambda m, o: get_optimizer_state_dict(m, o, options=sharded),
+                                   lambda m, o, s: set_optimizer_state_dict(m, o, s, options=sharded)),
     }
 
 

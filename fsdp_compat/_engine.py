@@ -652,3 +652,14 @@ def forget_dtensor_layout_caches() -> None:
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+
+
+def optimizer_param_groups(optim: Any) -> list[dict[str, Any]]:
+    """Every param group dict that ``optim`` steps: its own, and for torch's ``_NamedOptimizer`` (TorchRec)
+    those of the optimizer it wraps (``_optimizer``), which ``load_state_dict`` replaces with new dicts, so
+    that the two lists stop sharing them. Each dict once."""
+    groups = list(optim.param_groups)
+    inner = getattr(optim, "_optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        groups += inner.param_groups
+    return list({id(group): group for group in groups}.values())

@@ -22,12 +22,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _engine, _optim_views, _orig_params, _state_dict
+from . import _engine, _engine_flat, _optim_views, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._tensor_layout import (GatherBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
-                             is_replicated_only, is_sharded_tensor, local_copy, scatter_like, scatterable,
-                             to_layout_of)
+                             is_replicated_only, is_sharded_tensor, local_copy, local_piece, scatter_like, scatterable,
+                             to_full, to_layout_of)
 from ._unit_state import UnitState, state_of, units_in
 from .api import OptimStateKeyType, StateDictType
 
@@ -66,6 +66,7 @@ class _ParamIndex:
     flat_params: bool                       # the optimizer steps FSDP1 flat parameters (one scalar state a unit)
     unit_of: dict[nn.Parameter, int]        # pre-order index of the owning unit (managed only)
     flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
+    plain_units: set[int] = dataclasses.field(default_factory=set)  # units showing FSDP1's plain shards
 
     def in_flat_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """Grouped by flat parameter as FSDP1 ``use_orig_params=False`` lists them; else as given (stable)."""
@@ -79,6 +80,13 @@ def _flat_positions(model: nn.Module, units: list[UnitState],
     unit_params: dict[int, list[nn.Parameter]] = {}  # by ``id`` of the unit's wrapper
     for param, unit in unit_of.items():
         unit_params.setdefault(id(units[unit].wrapper), []).append(param)
+    for unit_state in units:
+        # FSDP1 flattens a unit's parameters in ``named_parameters()`` order (a module's own before its
+        # children's); the engine's order puts children first.
+        order = {param: place for place, param in enumerate(unit_state.module.parameters())}
+        params = unit_params.get(id(unit_state.wrapper))
+        if params is not None:
+            params.sort(key=lambda param: order.get(param, len(order)))
     position: dict[nn.Parameter, int] = {}
     for module in model.modules():
         for param in [*unit_params.get(id(module), []), *module.parameters(recurse=False)]:
@@ -117,7 +125,9 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
                        flat_order=flat_order, flat_params=flat_order and not units[0].dtensor_params,
                        unit_of=unit_of,
                        # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
-                       flat_position=_flat_positions(model, units, unit_of) if flat_order else {})
+                       flat_position=_flat_positions(model, units, unit_of) if flat_order else {},
+                       plain_units={number for number, unit in enumerate(units)
+                                    if _engine_flat.local_shards(unit.module) is not None})
 
 
 def _state_order(index: _ParamIndex, with_state: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -216,7 +226,8 @@ def _export_engine(model: nn.Module, optim: Any, source: Mapping[str, Any] | Non
     """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED (``ShardedTensor``
     values, ``DTensor`` ones if ``dtensor``). Every rank must call (gathers); with ``rank0_only`` other
     ranks get ``{}``."""
-    _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
+    if isinstance(optim, torch.optim.Optimizer):
+        _orig_params.rebind_optimizer(optim)  # built before wrapping: its state on the model's parameters
     source = optim.state_dict() if source is None else source
     group = _model_group(model, group)
     # An optimizer over other parameters (or a bad ``optim_state_dict``) on one rank only must not
@@ -375,9 +386,22 @@ def _check_flat_scalar_states(state: Mapping[str, Any], index: _ParamIndex) -> N
 def _distinct(values: Iterable[Any]) -> list[Any]:
     distinct: list[Any] = []
     for value in values:
-        if not any(value == seen for seen in distinct):
+        if not any(_same_value(value, seen) for seen in distinct):
             distinct.append(value)
     return distinct
+
+
+def _same_value(first: Any, second: Any) -> bool:
+    """Equal values, tensors compared whole, also inside lists, tuples and dicts (SOAP keeps lists of
+    tensors as state, where ``==`` would compare element-wise)."""
+    if torch.is_tensor(first) or torch.is_tensor(second):
+        return torch.is_tensor(first) and torch.is_tensor(second) and torch.equal(first, second)
+    if isinstance(first, (list, tuple)) and isinstance(second, (list, tuple)):
+        return type(first) is type(second) and len(first) == len(second) and all(
+            _same_value(a, b) for a, b in zip(first, second))
+    if isinstance(first, Mapping) and isinstance(second, Mapping):
+        return first.keys() == second.keys() and all(_same_value(first[key], second[key]) for key in first)
+    return bool(first == second)
 
 
 def _as_set(values: list[Any]) -> Any:
@@ -401,14 +425,20 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
         if not isinstance(param_state, Mapping):
             raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
                              f"not {type(param_state).__name__}")
+        replicated = _replicated(param)
         for state_name, value in param_state.items():
-            if torch.is_tensor(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape):
+            # A replicated parameter's state is carried whole, whatever its shape (AdaFactor's factored
+            # rows / columns under NO_SHARD), as FSDP1's; a sharded one's is cut as the parameter.
+            if torch.is_tensor(value) and len(value.shape) > 0 and tuple(value.shape) != tuple(param.shape) \
+                    and not replicated:
                 raise ValueError(f"State {state_name!r} of {name!r} has shape {tuple(value.shape)} but "
                                  f"the parameter has shape {tuple(param.shape)}; the checkpoint does "
                                  "not belong to this model")
         if optim is None:  # optim_input given instead: the class is unknown
             continue
         local = _engine.local_tensor(param) if isinstance(param, DTensor) else param.detach()
+        if not replicated and index.unit_of.get(param, -1) in index.plain_units:
+            local = local.reshape(-1)  # the optimizer steps FSDP1's 1-D shard (AdaFactor: unfactored)
         key = (group_of[param], local.dim(), local.dtype, local.device)
         if key not in learned:
             learned[key] = _learn_state_kinds(optim, hyper_parameters[group_of[param]], local)
@@ -416,13 +446,37 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
             _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 
-def _import_value(value: Any, param: nn.Parameter) -> Any:
-    """One saved state value in the layout of ``param``'s state, as new memory."""
+def _import_value(value: Any, param: nn.Parameter, plain: bool = False) -> Any:
+    """One saved state value in the layout of ``param``'s state, as new memory. Tensors inside lists,
+    tuples or dicts (SOAP's) are taken whole, as FSDP1 does (gathered where saved sharded). ``plain``:
+    the optimizer steps FSDP1's plain shard of ``param``; a full tensor is cut straight into its layout
+    (1-D where sharded), no ``DTensor`` made."""
+    if plain and isinstance(param, DTensor) and torch.is_tensor(value) and len(value.shape) > 0 \
+            and not (isinstance(value, DTensor) or is_sharded_tensor(value)) \
+            and tuple(value.shape) == tuple(param.shape):
+        piece = local_piece(value.detach(), param)
+        return piece if _replicated(param) else piece.reshape(-1)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_import_value_whole(item) for item in value)
+    if isinstance(value, Mapping):
+        return {key: _import_value_whole(item) for key, item in value.items()}
     if not torch.is_tensor(value):
         return copy.deepcopy(value)
     if len(value.shape) == 0:  # scalar state (``step``): the optimizer places it itself
         return copy_to(value.to_local() if isinstance(value, DTensor) else value)
+    if tuple(value.shape) != tuple(param.shape):  # a replicated parameter's state of another shape
+        return copy_to(to_full(value))
     return to_layout_of(value, param)
+
+
+def _import_value_whole(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_import_value_whole(item) for item in value)
+    if isinstance(value, Mapping):
+        return {key: _import_value_whole(item) for key, item in value.items()}
+    if torch.is_tensor(value):
+        return copy_to(to_full(value))
+    return copy.deepcopy(value)
 
 
 def _skeleton(osd: Mapping[str, Any]) -> dict[str, Any]:
@@ -464,13 +518,34 @@ def _from_rank0(osd: Any, index: _ParamIndex, group: Any) -> tuple[Mapping[str, 
     return (osd if is_rank0 else skeleton), received
 
 
+def _holds_sharded_values(osd: Any) -> bool:
+    """Whether ``osd`` holds a ``DTensor`` or ``ShardedTensor`` state value, also inside a list (SOAP's):
+    its conversion may communicate."""
+    def sharded(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return any(sharded(item) for item in value)
+        if isinstance(value, Mapping):
+            return any(sharded(item) for item in value.values())
+        return isinstance(value, DTensor) or is_sharded_tensor(value)
+
+    state = osd.get("state") if isinstance(osd, Mapping) else None
+    return isinstance(state, Mapping) and any(
+        sharded(value) for param_state in state.values() if isinstance(param_state, Mapping)
+        for value in param_state.values())
+
+
 def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
                    rank0_only: bool = False, group: Any = None, named_keys: bool = False,
-                   load_directly: bool = False) -> dict[str, Any]:
+                   load_directly: bool = False, local: bool = False) -> dict[str, Any]:
     """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as ``optim.load_state_dict``
     takes it, as new memory. Every rank validates what it reads (only rank 0 under ``rank0_only``)
-    and all agree on the outcome before anything is converted: all raise, or none."""
-    groups = [_model_group(model, group)] if dist.is_initialized() else []
+    and all agree on the outcome before anything is converted: all raise, or none. ``local``: a
+    call FSDP1 makes without communicating (a FULL load on every rank, ``shard_full_optim_state_dict``):
+    no collective at all when ``osd`` holds plain tensors only (each rank slices its own piece), so a
+    rank may call it alone (OLMo loads rank by rank); each rank validates its own input and a rank that
+    raises changes nothing, as in FSDP1."""
+    local = local and not rank0_only and not _holds_sharded_values(osd)
+    groups = [_model_group(model, group)] if dist.is_initialized() and not local else []
     reads_input = not (rank0_only and groups) or dist.get_rank(groups[0]) == 0
     with all_ranks_agree(groups, "The optimizer state dict",
                          "no optimizer state was converted or loaded on any rank"):
@@ -487,9 +562,10 @@ def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: Optim
     state: dict[ParamKey, Any] = {}
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
+        plain = index.unit_of.get(param, -1) in index.plain_units
         state[index.key_of[param]] = {
             state_name: received[name, state_name] if (name, state_name) in received
-            else _import_value(value, param) for state_name, value in param_state.items()}
+            else _import_value(value, param, plain) for state_name, value in param_state.items()}
     if "param_groups" not in osd:
         return {"state": state}
     return {"state": state, "param_groups": [_keyed_group(saved, index) for saved in osd["param_groups"]]}
@@ -515,19 +591,35 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *,
             optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
     """:func:`_export_engine` in the engine's layout (FSDP1's plain parameters translated: ``_optim_views``)."""
     optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None  # read twice
+    wrapper = _optimizer_like(optim)
+    if wrapper and source is None:  # its state in the plain layout, before the engine's is shown
+        source = optim.state_dict()
     with _optim_views.engine_layout(model, optim, optim_input) as translation:
         if translation is not None and translation.active and source is not None:
             source = translation.engine_source(source)
-        return _export_engine(model, optim, source, optim_input=_engine_input(optim_input, translation), **kwargs)
+        engine_input = _engine_input(optim_input if optim_input is not None or not wrapper
+                                     else cast(OptimInput, optim.param_groups), translation)
+        return _export_engine(model, optim, source, optim_input=engine_input, **kwargs)
+
+
+def _optimizer_like(optim: Any) -> bool:
+    """An optimizer that is not a ``torch.optim.Optimizer`` (mmengine's ``OptimWrapper``): it has
+    ``param_groups`` and ``state_dict()``, as FSDP1 asks of one, but maybe no ``state`` to show in the
+    engine's layout, so its ``state_dict()`` is translated instead."""
+    return (optim is not None and not isinstance(optim, torch.optim.Optimizer) and hasattr(optim, "param_groups")
+            and callable(getattr(optim, "state_dict", None)))
 
 
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
     """:func:`_import_engine` in the engine's layout; the result keyed and laid out as ``optim`` holds it
     (without an optimizer: as ``optim_input``, else ``model.parameters()``, orders them)."""
     optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None
-    with _optim_views.engine_layout(model, optim, optim_input) as translation:
+    # The optimizer's state is not read: only its groups, given in the engine's parameters.
+    with _optim_views.engine_layout(model, optim, optim_input, show_optimizer=False) as translation:
         engine_input = _engine_input(optim_input, translation)
-        if translation is not None and engine_input is None and not isinstance(optim, torch.optim.Optimizer):
+        if translation is not None and engine_input is None and hasattr(optim, "param_groups"):
+            engine_input = _engine_input(cast(OptimInput, optim.param_groups), translation)
+        elif translation is not None and engine_input is None and not isinstance(optim, torch.optim.Optimizer):
             engine_input = translation.engine_params(translation.params)  # model.parameters()'s order
         result = _import_engine(model, optim, osd, optim_input=engine_input, **kwargs)
     return result if translation is None or not translation.active else translation.plain_result(result)
@@ -564,7 +656,9 @@ def _learn_state_kinds(optim: Any, hyper_parameters: Mapping[str, Any], like: to
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            throwaway = type(optim)([{**hyper_parameters, "params": [tiny]}])
+            # Copies: a hyper-parameter may be a tensor the step changes in place (Prodigy's ``d_numerator``).
+            own = {key: copy.deepcopy(value) for key, value in hyper_parameters.items() if key != "params"}
+            throwaway = type(optim)([{**own, "params": [tiny]}])
             tiny.grad = torch.zeros_like(tiny)
             throwaway.step()
         kinds: _StateKinds | None = {name: _kind(value, tuple(tiny.shape))
@@ -659,7 +753,7 @@ def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn
     the optimizer's ids: ready for ``optim.load_state_dict``. No communication."""
     _warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
     _warn_optim_input(optim_input)
-    return _import(model, optim, full_optim_state_dict, optim_input=optim_input)
+    return _import(model, optim, full_optim_state_dict, optim_input=optim_input, local=True)
 
 
 def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
@@ -739,8 +833,9 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
     Under FULL with ``rank0_only``, only rank 0's input is read. The input is validated whole
     before anything is converted, so on error the optimizer is untouched.
     """
-    result = _import(model, optim, optim_state_dict, rank0_only=_configured(model)[1], group=group,
-                     named_keys=is_named_optimizer, load_directly=load_directly)
+    full, rank0_only = _configured(model)[:2]
+    result = _import(model, optim, optim_state_dict, rank0_only=rank0_only, group=group,
+                     named_keys=is_named_optimizer, load_directly=load_directly, local=full)
     if load_directly:
         optim.load_state_dict(result)
     return result

@@ -45,6 +45,19 @@ class Translation:
             out += [piece[1] for piece in pieces] if pieces is not None else [param]
         return out
 
+    def plain_params(self, engine_params: Iterable[Any]) -> list[Any]:
+        """The reverse of :meth:`engine_params`: each engine piece as the view or flat parameter it is
+        part of (a flat parameter once, where its first piece is)."""
+        owner = {id(piece[1]): param for param, pieces in zip(self.params, self.pieces) for piece in pieces or []}
+        out: list[Any] = []
+        seen: set[int] = set()
+        for param in engine_params:
+            plain = owner.get(id(param), param)
+            if id(plain) not in seen:
+                seen.add(id(plain))
+                out.append(plain)
+        return out
+
     def new_positions(self) -> list[list[int]]:
         """For each old position, its positions among the engine's parameters."""
         positions, counter = [], 0
@@ -181,10 +194,14 @@ def _has_local_shards(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iterator[Translation | None]:
+def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None,
+                  show_optimizer: bool = True) -> Iterator[Translation | None]:
     """For the duration: ``model`` shows the engine's DTensors and ``optim`` holds them, its state as
     DTensors over the same memory; yields the :class:`Translation` (``None``: DTensor parameters) of the
-    optimizer's parameters, else of ``optim_input``'s (a list), else of ``model.parameters()``."""
+    optimizer's parameters, else of ``optim_input``'s (a list), else of ``model.parameters()``.
+    ``show_optimizer=False``: the optimizer is left as it is (a load reads only its parameter groups,
+    which the caller translates: installing and restoring its whole state costs more than the load's
+    own bookkeeping)."""
     if not _has_local_shards(model):
         yield None
         return
@@ -194,18 +211,19 @@ def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iter
         params = [p for group in optim.param_groups for p in group["params"]]
     elif optim_input is not None:
         params = [p for item in optim_input for p in (item["params"] if isinstance(item, dict) else [item])]
+    elif optim is not None and hasattr(optim, "param_groups"):  # optimizer-like (mmengine's OptimWrapper)
+        params = [p for group in optim.param_groups for p in group["params"]]
     else:
         params = list(model.parameters())
     pieces = [_pieces_of(param) for param in params]
     translation = Translation(params, pieces, [_engine_flat.flat_pieces(p) is not None for p in params])
     with _engine_flat.engine_params(model.modules()):
-        if not is_optimizer or not translation.active:
+        if not is_optimizer or not translation.active or not show_optimizer:
             yield translation
             return
-        saved_groups = [list(group["params"]) for group in optim.param_groups]
         saved_state = dict(optim.state)
         position = {id(p): i for i, p in enumerate(params)}
-        for group in optim.param_groups:
+        for group in _engine.optimizer_param_groups(optim):
             group["params"] = translation.engine_params(group["params"])
         optim.state.clear()
         installed: dict[int, dict[str, Any]] = {}  # id(engine parameter) -> the state put in for it
@@ -220,8 +238,9 @@ def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iter
         try:
             yield translation
         finally:
-            for group, saved in zip(optim.param_groups, saved_groups):
-                group["params"] = saved
+            # Every group the optimizer steps now (new dicts too, when a load replaced them meanwhile).
+            for group in _engine.optimizer_param_groups(optim):
+                group["params"] = translation.plain_params(group["params"])
             # What the optimizer holds now (also a state loaded meanwhile, torch's ``set_state_dict``), back
             # in the views' plain layout; a state left as it was put in is the one saved (no copy).
             translation.restore_state(optim, saved_state, installed)

@@ -23,7 +23,7 @@ from ._collectives import all_ranks_agree
 from ._engine import IncompatibleKeys, dtensor_like
 from ._common import FSDP_WRAPPED_MODULE, TrainingState, clean_module_path, clean_name
 from ._state_dict_entries import Entry, check_not_in_iteration, effective_settings, entries_of
-from ._tensor_layout import is_sharded_tensor, to_full, to_layout_of
+from ._tensor_layout import converts_locally, is_sharded_tensor, to_full, to_layout_of
 from ._unit_state import UnitState, state_of, units_in
 from .api import ShardingStrategy, StateDictType
 
@@ -35,11 +35,14 @@ def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
                     strict: bool = True, assign: bool = False) -> IncompatibleKeys:
     """Load ``state_dict`` into the wrapper. Accepted values, whatever the type: plain tensors
     (full ones; this rank's pieces under LOCAL), ``DTensor`` and ``ShardedTensor`` (any layout)."""
-    with _agreement(root):  # input given on one rank only must not leave the others waiting
+    state_dict_type, _ = effective_settings(root)
+    # FSDP1 loads a LOCAL state dict without communicating (OLMo-style code loads rank by rank): so do we,
+    # where this rank's pieces convert alone; each rank then checks its own input, as FSDP1's.
+    local = _loads_locally(root, state_dict, state_dict_type)
+    with _agreement(root, local):  # input given on one rank only must not leave the others waiting
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
         check_not_in_iteration(root, "load_state_dict()")
-    state_dict_type, _ = effective_settings(root)
     metadata = getattr(state_dict, "_metadata", None)
     units = units_in(root.wrapper)
     for unit in units:
@@ -50,7 +53,7 @@ def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
             cast(_engine.FSDPModule, unit.module).reshard()
     entries, _ = entries_of(root)
     state_dict = _as_given_by_distributed_checkpoint(state_dict, entries)
-    if state_dict_type == StateDictType.LOCAL_STATE_DICT:
+    if state_dict_type == StateDictType.LOCAL_STATE_DICT and not local:  # local: no flat parameter here
         state_dict = _flat_checkpoint.unflatten_if_flat(root, state_dict, entries)
     incoming = [(entry, _as_tensor_if_tensor_like(state_dict[entry.key]))
                 for entry in entries if entry.key in state_dict]
@@ -59,7 +62,7 @@ def load_state_dict(root: UnitState, state_dict: Mapping[str, Any],
     unexpected = [key for key in state_dict if key not in expected]
     errors = _key_errors(missing, unexpected) if strict else []
     errors += [error for entry, value in incoming for error in _value_errors(entry, value, state_dict_type)]
-    with _agreement(root):  # no rank copies while another one raises
+    with _agreement(root, local):  # no rank copies while another one raises
         if errors:
             raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
                 type(root.wrapper).__name__, "\n\t".join(errors)))
@@ -195,9 +198,22 @@ def _trial_copy(value: torch.Tensor, target: torch.Tensor) -> None:
         torch.empty(1, dtype=target.dtype, device=target.device).copy_(source.reshape(-1)[:1])
 
 
-def _agreement(root: UnitState) -> contextlib.AbstractContextManager[None]:
-    """Checks that raise on any rank of the wrapper's mesh raise on all of them."""
-    return all_ranks_agree(root.device_mesh.get_all_groups(), "The state dict", "nothing was loaded on any rank")
+def _agreement(root: UnitState, local: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Checks that raise on any rank of the wrapper's mesh raise on all of them (``local``: on this rank alone)."""
+    return all_ranks_agree([] if local else root.device_mesh.get_all_groups(), "The state dict",
+                           "nothing was loaded on any rank")
+
+
+def _loads_locally(root: UnitState, state_dict: Any, state_dict_type: StateDictType) -> bool:
+    """A LOCAL load every value of which converts on this rank alone: no FSDP1 flat parameter (read by
+    gathering), and pieces cut as this model's (a plain piece, or a ShardedTensor / DTensor in its layout)."""
+    if state_dict_type != StateDictType.LOCAL_STATE_DICT or not isinstance(state_dict, Mapping) \
+            or _flat_checkpoint.flat_unit_paths(state_dict):
+        return False
+    entries, _ = entries_of(root)
+    return all(converts_locally(state_dict[entry.key], None if entry.sharded is None or entry.full_visible
+                                else entry.sharded)
+               for entry in entries if entry.key in state_dict and isinstance(entry.value, torch.Tensor))
 
 
 def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) -> Any:

@@ -263,13 +263,18 @@ def local_copy(value: DTensor, device: torch.device | str | None = None) -> DTen
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's part of ``full`` (held by every rank) laid out as ``like``, as new memory;
     no communication."""
+    return dtensor_like(local_piece(full, like), like)
+
+
+def local_piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """:func:`shard_like`'s local tensor alone (a plain copy of this rank's piece), for state kept plain."""
     local = local_tensor(like)
     rows = _local_rows(like, local)
     if rows is not None:  # the engine's layout: a run of rows (the common case, kept cheap)
         piece = full[rows[0]:rows[0] + rows[1]]
     else:
         piece = full[tuple(slice(begin, begin + size) for begin, size in zip(*_local_box(like, local)))]
-    return dtensor_like(piece.to(local.device, copy=True, memory_format=torch.contiguous_format), like)
+    return piece.to(local.device, copy=True, memory_format=torch.contiguous_format)
 
 
 def scatterable(like: torch.Tensor, group: Any) -> bool:
@@ -352,6 +357,20 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
         dist.broadcast(buffer, src=owner, group=group)
         full[tuple(slice(start, start + size) for start, size in zip(offsets, shard.shard_sizes))] = buffer
     return full
+
+
+def converts_locally(value: Any, like: torch.Tensor | None) -> bool:
+    """Whether :func:`to_layout_of` (``like`` a tensor) or :func:`to_full` (``like`` ``None``) turns ``value``
+    into its target without communication: a plain tensor, or a DTensor / ``ShardedTensor`` already cut as
+    ``like`` (decided from global metadata: alike on every rank)."""
+    if not (isinstance(value, DTensor) or is_sharded_tensor(value)):
+        return True
+    if not isinstance(like, DTensor):
+        return False
+    if is_sharded_tensor(value):
+        return _sharded_tensor_piece(value, like) is not None
+    return (value.shape, value.device_mesh, tuple(value.placements)) == (
+        like.shape, like.device_mesh, tuple(like.placements))
 
 
 def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) -> torch.Tensor:

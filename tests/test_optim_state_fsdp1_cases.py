@@ -336,3 +336,84 @@ def test_state_entries_the_optimizer_does_not_keep_are_carried_through(use_orig_
         optim.load_state_dict(loadable)
         model(torch.ones(2, 4, device=diff.device())).sum().backward()
         optim.step()  # the class ignores the entries it does not keep
+
+
+# ---- FSDP1's parameter order under use_orig_params=False -------------------------------------------
+
+class _OwnAndChildParams(nn.Module):
+    """A unit whose module has a parameter of its own, registered after a child's (FSDP1 flattens a
+    module's own parameters before its children's: ``named_parameters()`` order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.lin(x)) * self.scale
+
+
+def _saved_order(wrapper_class: type) -> dict[str, list[str]]:
+    module = _OwnAndChildParams()
+    module.inner = _unit(wrapper_class, module.inner, False)
+    model = _unit(wrapper_class, module, False)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    api = _api(wrapper_class)
+    with wrapper_class.state_dict_type(model, api.StateDictType.FULL_STATE_DICT,
+                                       optim_state_dict_config=api.FullOptimStateDictConfig(rank0_only=False)):
+        saved = wrapper_class.optim_state_dict(model, optim)
+    return {"state": list(saved["state"]), "params": saved["param_groups"][0]["params"]}
+
+
+@distributed_test(world_size=2)
+def test_full_state_parameter_order_with_flat_parameters_is_fsdp1s():
+    """``use_orig_params=False``: a unit's names in its FlatParameter's order (the module's own first)."""
+    diff.quiet()
+    assert _saved_order(FSDP) == fsdp1_per_rank("flat-parameter-order", lambda: _saved_order(diff.TorchFSDP))
+
+
+# ---- torch's _NamedOptimizer (TorchRec): reloaded, then saved again ---------------------------------
+
+def _named_optimizer_round_trip(wrapper_class: type) -> dict[str, Any]:
+    """Train with a ``_NamedOptimizer``, convert its state with ``is_named_optimizer=True``, load it back
+    and save again (torch's ``test_compatible_with_trec``, extended by the reload)."""
+    from torch.distributed.optim import _NamedOptimizer
+
+    module = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    torch.manual_seed(0)
+    for param in module.parameters():
+        nn.init.normal_(param)
+    model = _unit(wrapper_class, module, True)
+    optim = _NamedOptimizer(model.named_parameters(), torch.optim.Adam, [{"params": model.parameters()}],
+                            model, lr=1e-2)
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    api = _api(wrapper_class)
+    with wrapper_class.state_dict_type(model, api.StateDictType.FULL_STATE_DICT,
+                                       optim_state_dict_config=api.FullOptimStateDictConfig(rank0_only=False)):
+        saved = wrapper_class.optim_state_dict(model, optim)
+        converted = wrapper_class.optim_state_dict_to_load(model, optim, saved, is_named_optimizer=True)
+        # FSDP1's _NamedOptimizer converts a dict itself in load_state_dict (it recognises torch's FSDP
+        # class); with fsdp_compat the user loads the converted one.
+        optim.load_state_dict(converted if wrapper_class is FSDP else saved)
+        again = wrapper_class.optim_state_dict(model, optim)
+    return {"keys": list(again["state"]), "params": again["param_groups"][0]["params"],
+            # Keyed by the model's own names, as the _NamedOptimizer holds them (FSDP1 leaves out the
+            # parameters with no elements on this rank: a layout difference, not compared).
+            "converted_keys_known": set(converted["state"]) <= {name for name, _ in model.named_parameters()},
+            "same": all(torch.equal(again["state"][name][key], value) for name, state in saved["state"].items()
+                        for key, value in state.items())}
+
+
+@pytest.mark.skipif(not diff.HAVE_FSDP1, reason="torch's _NamedOptimizer imports FSDP1")
+@distributed_test(world_size=2)
+def test_named_optimizer_reloaded_saves_again_as_in_fsdp1():
+    diff.quiet()
+    ours = _named_optimizer_round_trip(FSDP)
+    assert ours["same"], "the state saved after the reload differs from the one loaded"
+    expected = fsdp1_per_rank("named-optimizer-reload", lambda: _named_optimizer_round_trip(diff.TorchFSDP))
+    assert ours == expected, (ours, expected)

@@ -237,7 +237,12 @@ def _saved(model: nn.Module, optim: torch.optim.Optimizer, kind: str) -> dict[st
     return full_optim_state(model, optim)
 
 
-@pytest.mark.parametrize("path", sorted(LOAD_PATHS))
+# The loads FSDP1 makes without communicating (a FULL load on every rank, shard_full_optim_state_dict):
+# each rank validates its own input, as FSDP1's, so a bad dict raises on its rank alone (issue 30).
+LOCAL_LOAD_PATHS = {"full", "shard_full"}
+
+
+@pytest.mark.parametrize("path", sorted(set(LOAD_PATHS) - LOCAL_LOAD_PATHS))
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
 @distributed_test(world_size=2, timeout=POOL_TIMEOUT)
 def test_bad_optimizer_state_on_one_rank_raises_everywhere_and_loads_nowhere(case, path):
@@ -253,6 +258,31 @@ def test_bad_optimizer_state_on_one_rank_raises_everywhere_and_loads_nowhere(cas
         raises_everywhere(lambda: load(model, optim, on_rank(bad_rank, good, bad)), error_type, words, bad_rank)
         assert_unchanged(before, model, optim)
         loadable = load(model, optim, good)  # the ranks are still in step
+    optim.load_state_dict(loadable)
+    diff.train(model, optim, 1)
+
+
+@pytest.mark.parametrize("path", sorted(LOCAL_LOAD_PATHS))
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+@distributed_test(world_size=2, timeout=POOL_TIMEOUT)
+def test_bad_optimizer_state_on_one_rank_raises_there_alone_and_changes_nothing_there(case, path):
+    model, optim = build(steps=2)
+    kind, bad_rank, load = LOAD_PATHS[path]
+    good = _saved(model, optim, kind)
+    bad = copy.deepcopy(good)
+    corrupt, error_type, words = CORRUPTIONS[case]
+    corrupt(bad)
+    before = snapshot(model, optim)
+    state_dict_type, optim_config = _settings(kind)
+    with FSDP.state_dict_type(model, state_dict_type, optim_state_dict_config=optim_config):
+        if dist.get_rank() == bad_rank:
+            with pytest.raises(error_type) as raised:
+                load(model, optim, bad)
+            assert words in str(raised.value), str(raised.value)
+        else:  # no collective: the good rank converts its dict, whatever the other's input
+            optim.load_state_dict(load(model, optim, good))  # (the values it had: nothing changes)
+        assert_unchanged(before, model, optim)
+        loadable = load(model, optim, good)
     optim.load_state_dict(loadable)
     diff.train(model, optim, 1)
 
