@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compat._common import clean_name
 from fsdp_compat.examples import Block, GPTConfig, TinyGPT, synthetic_batch
@@ -250,3 +251,15 @@ def fsdp1_value(golden_name: str, key: str, run_fsdp1: Callable[[], Any]) -> Any
     assert key in golden, f"no FSDP1 result or golden value for {key} in {golden_name}"
     return golden[key]
 
+
+class AllGatherLog(TorchDispatchMode):
+    """Appends "all-gather" to ``events`` for every all-gather collective dispatched."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "allgather" in str(func):
+            self.events.append("all-gather")
+        return func(*args, **(kwargs or {}))

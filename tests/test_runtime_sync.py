@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compat
 from fsdp_compat import FullyShardedDataParallel as FSDP
@@ -331,17 +330,6 @@ def test_register_comm_hook_with_hybrid_sharding_raises_like_fsdp1():
 # ---------------------------------------------------------------------------------------------
 
 
-class _AllGatherLog(TorchDispatchMode):
-    """Appends "all-gather" to ``events`` for every all-gather collective dispatched."""
-
-    def __init__(self, events: list[str]) -> None:
-        super().__init__()
-        self.events = events
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "allgather" in str(func):
-            self.events.append("all-gather")
-        return func(*args, **(kwargs or {}))
 
 
 def _forward_events(model: nn.Module) -> list[str]:
@@ -350,7 +338,7 @@ def _forward_events(model: nn.Module) -> list[str]:
     handles = [block.attn.register_forward_pre_hook(lambda *_, i=i: events.append(f"block {i}"))
                for i, block in enumerate(model.blocks)]
     try:
-        with _AllGatherLog(events):
+        with diff.AllGatherLog(events):
             diff.loss_fn(model, *diff.local_batch(9)).backward()
     finally:
         for handle in handles:

@@ -31,7 +31,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compat
 from fsdp_compat import FullyShardedDataParallel as FSDP
@@ -278,15 +277,6 @@ def load(model, optimizer, state):
 '''
 
 
-class _AllGatherLog(TorchDispatchMode):
-    def __init__(self, events: list[str]) -> None:
-        super().__init__()
-        self.events = events
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "allgather" in str(func):
-            self.events.append("all-gather")
-        return func(*args, **(kwargs or {}))
 
 
 def gathers_ahead(order: str, forward_limit: int, backward_limit: int) -> tuple[int, int, list[float]]:
@@ -306,7 +296,7 @@ def gathers_ahead(order: str, forward_limit: int, backward_limit: int) -> tuple[
                 for i, layer in enumerate(inner):
                     layer.register_forward_pre_hook(lambda *_, i=i: events.append(f"forward {i}"))
                     layer.register_full_backward_pre_hook(lambda *_, i=i: events.append(f"backward {i}"))
-            with _AllGatherLog(events) if step == 2 else contextlib.nullcontext():
+            with diff.AllGatherLog(events) if step == 2 else contextlib.nullcontext():
                 loss = model(batch(step)).square().mean()
                 loss.backward()
             losses.append(loss.item())
