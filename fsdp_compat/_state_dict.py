@@ -34,7 +34,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _mixed_precision
-from ._collectives import all_ranks_agree
 from ._common import clean_module_path
 from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, effective_settings, entries_of,
                                   entry_settings)
@@ -60,16 +59,14 @@ def set_state_dict_type_on(units: list[UnitState], state_dict_type: Any, state_d
     restores the same ones: one walk of the model instead of two per checkpoint call)."""
     if state_dict_type is None and not units:
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
-    # Arguments given on one rank only must not let the other ranks go on to a state dict's
-    # collectives alone: all ranks raise, and no wrapper changes anywhere.
-    groups = units[0].device_mesh.get_all_groups() if units else []
-    with all_ranks_agree(groups, "The set_state_dict_type() arguments", "no settings changed on any rank"):
-        state_dict_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
-        config_class, optim_config_class = _CONFIG_CLASSES[state_dict_type]
-        state_dict_config = _exact_config(state_dict_config, StateDictConfig, config_class, "state_dict_config")
-        optim_state_dict_config = _exact_config(optim_state_dict_config, OptimStateDictConfig,
-                                                optim_config_class, "optim_state_dict_config")
-        previous = _previous_settings(units)
+    # No collective, as FSDP1's: code enters it rank by rank (a LOCAL load one rank at a time). Bad
+    # arguments raise on the ranks given them, before any wrapper changes there.
+    state_dict_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
+    config_class, optim_config_class = _CONFIG_CLASSES[state_dict_type]
+    state_dict_config = _exact_config(state_dict_config, StateDictConfig, config_class, "state_dict_config")
+    optim_state_dict_config = _exact_config(optim_state_dict_config, OptimStateDictConfig,
+                                            optim_config_class, "optim_state_dict_config")
+    previous = _previous_settings(units)
     restore_state_dict_type(units, StateDictSettings(state_dict_type, state_dict_config, optim_state_dict_config))
     return previous
 

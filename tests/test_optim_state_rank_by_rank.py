@@ -210,11 +210,18 @@ def _local_calls(wrapper_class: type, model: nn.Module, optim: torch.optim.Optim
         "named_parameters": lambda: [name for name, _ in model.named_parameters()],
         "parameters": lambda: [tuple(p.shape) for p in model.parameters()],
         "fsdp_modules": lambda: len(wrapper_class.fsdp_modules(model)),
+        "state_dict_type": lambda: _entered_state_dict_type(wrapper_class, api, model),
     }
 
 
+def _entered_state_dict_type(wrapper_class: type, api: Any, model: nn.Module) -> str:
+    with wrapper_class.state_dict_type(model, api.StateDictType.LOCAL_STATE_DICT):
+        return wrapper_class.get_state_dict_type(model).state_dict_type.name
+
+
 @pytest.mark.parametrize("use_orig_params", [True, False])
-@pytest.mark.parametrize("call", ["rekey_optim_state_dict", "named_parameters", "parameters", "fsdp_modules"])
+@pytest.mark.parametrize("call", ["rekey_optim_state_dict", "named_parameters", "parameters", "fsdp_modules",
+                                  "state_dict_type"])
 @distributed_test(world_size=2, timeout=POOL_TIMEOUT)
 def test_local_queries_complete_rank_by_rank(call, use_orig_params):
     if call == "rekey_optim_state_dict" and not use_orig_params:

@@ -116,13 +116,22 @@ def test_load_state_dict_of_a_non_dict_on_one_rank_raises_everywhere():
 
 
 @distributed_test(world_size=2, timeout=POOL_TIMEOUT)
-def test_set_state_dict_type_with_a_bad_config_on_one_rank_raises_everywhere():
+def test_set_state_dict_type_with_a_bad_config_on_one_rank_raises_there_alone_and_changes_nothing_there():
+    """FSDP1's ``set_state_dict_type`` is local (no collective): the rank given a bad config raises with its
+    settings unchanged, the others take theirs."""
     model, optim = build()
     bad_config = on_rank1(fsdp_compat.FullStateDictConfig(), fsdp_compat.ShardedStateDictConfig())
-    raises_everywhere(lambda: FSDP.set_state_dict_type(model, fsdp_compat.StateDictType.FULL_STATE_DICT,
-                                                       bad_config),
-                      RuntimeError, "FullStateDictConfig")
-    assert FSDP.get_state_dict_type(model).state_dict_type == fsdp_compat.StateDictType.FULL_STATE_DICT
+    FSDP.set_state_dict_type(model, fsdp_compat.StateDictType.LOCAL_STATE_DICT)
+    call = lambda: FSDP.set_state_dict_type(model, fsdp_compat.StateDictType.FULL_STATE_DICT,  # noqa: E731
+                                            bad_config)
+    if dist.get_rank() == 1:
+        with pytest.raises(RuntimeError, match="FullStateDictConfig"):
+            call()
+        assert FSDP.get_state_dict_type(model).state_dict_type == fsdp_compat.StateDictType.LOCAL_STATE_DICT
+    else:
+        call()
+        assert FSDP.get_state_dict_type(model).state_dict_type == fsdp_compat.StateDictType.FULL_STATE_DICT
+    FSDP.set_state_dict_type(model, fsdp_compat.StateDictType.FULL_STATE_DICT)
     model.state_dict()  # a collective: every rank still takes part
 
 
