@@ -446,16 +446,9 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
             _check_state_kinds(name, param_state, tuple(param.shape), expected, type(optim).__name__)
 
 
-def _import_value(value: Any, param: nn.Parameter, plain: bool = False) -> Any:
+def _import_value(value: Any, param: nn.Parameter) -> Any:
     """One saved state value in the layout of ``param``'s state, as new memory. Tensors inside lists,
-    tuples or dicts (SOAP's) are taken whole, as FSDP1 does (gathered where saved sharded). ``plain``:
-    the optimizer steps FSDP1's plain shard of ``param``; a full tensor is cut straight into its layout
-    (1-D where sharded), no ``DTensor`` made."""
-    if plain and isinstance(param, DTensor) and torch.is_tensor(value) and len(value.shape) > 0 \
-            and not (isinstance(value, DTensor) or is_sharded_tensor(value)) \
-            and tuple(value.shape) == tuple(param.shape):
-        piece = local_piece(value.detach(), param)
-        return piece if _replicated(param) else piece.reshape(-1)
+    tuples or dicts (SOAP's) are taken whole, as FSDP1 does (gathered where saved sharded)."""
     if isinstance(value, (list, tuple)):
         return type(value)(_import_value_whole(item) for item in value)
     if isinstance(value, Mapping):
@@ -467,6 +460,18 @@ def _import_value(value: Any, param: nn.Parameter, plain: bool = False) -> Any:
     if tuple(value.shape) != tuple(param.shape):  # a replicated parameter's state of another shape
         return copy_to(to_full(value))
     return to_layout_of(value, param)
+
+
+def _plain_piece(value: Any, param: nn.Parameter) -> torch.Tensor | None:
+    """This rank's piece of the full plain tensor ``value`` (``param``'s shape) in the layout the optimizer steps
+    FSDP1's plain shard in (1-D where sharded), as a view of ``value`` (the caller copies it once, into its
+    place); ``None`` for any other value. No ``DTensor`` is made."""
+    if not (isinstance(param, DTensor) and torch.is_tensor(value) and len(value.shape) > 0
+            and not (isinstance(value, DTensor) or is_sharded_tensor(value))
+            and tuple(value.shape) == tuple(param.shape)):
+        return None
+    piece = local_piece(value.detach(), param, copy=False)
+    return piece if _replicated(param) else piece.reshape(-1)
 
 
 def _import_value_whole(value: Any) -> Any:
@@ -560,12 +565,21 @@ def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: Optim
     if rank0_only and groups:
         osd, received = _from_rank0(osd, index, groups[0])
     state: dict[ParamKey, Any] = {}
+    # A full tensor of a parameter the optimizer steps as FSDP1's plain shard is cut straight into that layout,
+    # copied once: flat parameters keyed by position copy each piece into their flat state next (``plain_result``).
+    into_flat = index.flat_params and not named_keys
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
         plain = index.unit_of.get(param, -1) in index.plain_units
-        state[index.key_of[param]] = {
-            state_name: received[name, state_name] if (name, state_name) in received
-            else _import_value(value, param, plain) for state_name, value in param_state.items()}
+        converted: dict[str, Any] = {}
+        for state_name, value in param_state.items():
+            if (name, state_name) in received:
+                converted[state_name] = received[name, state_name]
+            elif plain and (piece := _plain_piece(value, param)) is not None:
+                converted[state_name] = piece if into_flat else piece.clone()
+            else:
+                converted[state_name] = _import_value(value, param)
+        state[index.key_of[param]] = converted
     if "param_groups" not in osd:
         return {"state": state}
     return {"state": state, "param_groups": [_keyed_group(saved, index) for saved in osd["param_groups"]]}

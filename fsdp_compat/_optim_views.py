@@ -168,17 +168,33 @@ class Translation:
         state: dict[str, Any] = {}
         names = list(dict.fromkeys(name for _, piece_state in pieces for name in (piece_state or {})))
         for name in names:  # one state at a time, each piece's dropped once copied: a low peak
+            filled: list[tuple[int, int]] = []  # (offset, numel) written; the rest (padding) is zeroed
             for (_, _, offset, numel), piece_state in pieces:
                 if not piece_state or name not in piece_state:
                     continue
                 plain = _engine_flat.as_plain_value(piece_state.pop(name) if consume else piece_state[name])
                 if torch.is_tensor(plain) and plain.dim() > 0:
-                    if name not in state:
-                        state[name] = torch.zeros(flat.numel(), dtype=plain.dtype, device=plain.device)
+                    if name not in state:  # uninitialised: each element is written once (copy or zero)
+                        state[name] = torch.empty(flat.numel(), dtype=plain.dtype, device=plain.device)
                     state[name][offset:offset + numel].copy_(plain.reshape(-1))
+                    filled.append((offset, numel))
                 else:
                     state.setdefault(name, plain)
+            if name in state and filled:
+                _zero_outside(state[name], filled)
         return state
+
+
+def _zero_outside(flat: torch.Tensor, filled: list[tuple[int, int]]) -> None:
+    """Zero every element of ``flat`` outside the ``(offset, numel)`` runs ``filled`` (padding, pieces
+    without state)."""
+    end = 0
+    for offset, numel in sorted(filled):
+        if offset > end:
+            flat[end:offset].zero_()
+        end = max(end, offset + numel)
+    if end < flat.numel():
+        flat[end:].zero_()
 
 
 def _pieces_of(param: Any) -> list[Piece] | None:

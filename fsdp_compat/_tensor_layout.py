@@ -266,15 +266,16 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     return dtensor_like(local_piece(full, like), like)
 
 
-def local_piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """:func:`shard_like`'s local tensor alone (a plain copy of this rank's piece), for state kept plain."""
+def local_piece(full: torch.Tensor, like: DTensor, *, copy: bool = True) -> torch.Tensor:
+    """:func:`shard_like`'s local tensor alone (a plain copy of this rank's piece), for state kept plain.
+    ``copy=False``: a view of ``full`` where it can be one (for a caller that copies it once, into its place)."""
     local = local_tensor(like)
     rows = _local_rows(like, local)
     if rows is not None:  # the engine's layout: a run of rows (the common case, kept cheap)
         piece = full[rows[0]:rows[0] + rows[1]]
     else:
         piece = full[tuple(slice(begin, begin + size) for begin, size in zip(*_local_box(like, local)))]
-    return piece.to(local.device, copy=True, memory_format=torch.contiguous_format)
+    return piece.to(local.device, copy=copy, memory_format=torch.contiguous_format)
 
 
 def scatterable(like: torch.Tensor, group: Any) -> bool:
