@@ -868,6 +868,50 @@ class EngineParamsOnApply(nn.Module):
 # ---- optimizer state: plain 1-D local tensors outside, the engine's DTensor layout inside ----
 
 
+class EngineParamWalk:
+    """``named_parameters()`` of the units in ``modules``, as it reads with the engine's DTensors registered
+    (:func:`engine_params`: the names and the order of FSDP1's original parameters), without registering
+    anything: a view as the DTensor it shows; a flat parameter's pieces appended to their modules' own
+    parameters, as :meth:`LocalShards.hide` appends them. The optimizer state-dict family reads names this
+    way and keeps the model as the user sees it (it reads no parameter values)."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._sharded: dict[int, DTensor] = {}  # id(view) -> its DTensor
+        self._flat: set[int] = set()  # ids of flat parameters: unregistered in the engine's layout
+        self._appended: dict[int, list[tuple[str, DTensor]]] = {}  # id(module) -> flat mode's pieces there
+        for module in modules:
+            shards = local_shards(module)
+            if shards is None:
+                continue
+            shards.follow()  # the engine's current DTensors, as engine_params reads them
+            shards.writeback()  # a replaced view adopted first
+            for piece in shards.pieces:
+                sharded = cast(DTensor, piece.fsdp_param.sharded_param)
+                if not shards.flat_mode:
+                    self._sharded[id(piece.view)] = sharded
+                elif shards._shows_view(piece):
+                    for slot_module, name in _slots(piece.fsdp_param):
+                        self._appended.setdefault(id(slot_module), []).append((name, sharded))
+            self._flat.update(id(param) for param in shards.flat_params)
+
+    def own(self, module: nn.Module) -> list[tuple[str, Any]]:
+        """``module.named_parameters(recurse=False)`` in the engine's layout."""
+        own = [(name, self._sharded.get(id(param), param)) for name, param in module._parameters.items()
+               if param is not None and id(param) not in self._flat]
+        return own + self._appended.get(id(module), [])
+
+    def named_parameters(self, root: nn.Module) -> list[tuple[str, Any]]:
+        """``root.named_parameters()`` in the engine's layout (a tied parameter under its first name)."""
+        seen: set[int] = set()
+        named = []
+        for prefix, module in root.named_modules():
+            for name, param in self.own(module):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    named.append((f"{prefix}.{name}" if prefix else name, param))
+        return named
+
+
 def views_to_sharded(modules: Iterable[nn.Module]) -> dict[int, tuple[nn.Parameter, DTensor]]:
     """id(view) -> (view, the engine's sharded DTensor it shows), over the units ``modules``."""
     found: dict[int, tuple[nn.Parameter, DTensor]] = {}

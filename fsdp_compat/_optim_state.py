@@ -1,11 +1,14 @@
 """Optimizer state dicts: FSDP1's whole family, keyed and shaped exactly as FSDP1's.
 
-The optimizer holds the engine's sharded ``DTensor`` parameters, so its state (``exp_avg``...) is
-DTensors sharded like them, keyed by integer ids. FSDP1's formats are keyed by clean parameter
-names: FULL holds each state tensor unsharded (optionally on rank 0 only); SHARDED this rank's
-shard as FSDP1's ``ShardedTensor`` (``DTensor`` where FSDP1 gives one; loading takes both).
-Saving is ``_export``; loading, ``_import``, validates the whole input first, so bad input raises
-before anything is touched. Key order, ``param_groups`` and scalar state (Adam's ``step``) follow FSDP1's output.
+State is named and cut by the engine's parameters: with its sharded ``DTensor`` parameters the optimizer
+holds them and DTensor state; with FSDP1's plain parameters (the default) it holds views or flat parameters
+and plain local state, which ``_optim_views`` maps onto the engine's parameters without showing them
+(its ``Translation``: no copy on the way out, each piece cut straight into place on the way in). FSDP1's
+formats are keyed by clean parameter names: FULL holds each state tensor unsharded (optionally on rank 0
+only); SHARDED this rank's shard as FSDP1's ``ShardedTensor`` (``DTensor`` where FSDP1 gives one; loading
+takes both). Saving is ``_export``; loading, ``_import``, validates the whole input first, so bad input
+raises before anything is touched. Key order, ``param_groups`` and scalar state (Adam's ``step``) follow
+FSDP1's output.
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ class _ParamIndex:
         return sorted(params, key=lambda param: self.flat_position.get(param, -1))
 
 
-def _flat_positions(model: nn.Module, units: list[UnitState],
-                    unit_of: dict[nn.Parameter, int]) -> dict[nn.Parameter, int]:
+def _flat_positions(model: nn.Module, units: list[UnitState], unit_of: dict[nn.Parameter, int],
+                    walk: _engine_flat.EngineParamWalk | None) -> dict[nn.Parameter, int]:
     """Positions in ``model.parameters()`` of an FSDP1 ``use_orig_params=False`` model: a unit's
     parameters sit together (its ``FlatParameter``) where its wrapper is; others stay in place."""
     unit_params: dict[int, list[nn.Parameter]] = {}  # by ``id`` of the unit's wrapper
@@ -83,27 +86,32 @@ def _flat_positions(model: nn.Module, units: list[UnitState],
     for unit_state in units:
         # FSDP1 flattens a unit's parameters in ``named_parameters()`` order (a module's own before its
         # children's); the engine's order puts children first.
-        order = {param: place for place, param in enumerate(unit_state.module.parameters())}
+        in_unit = ([param for _, param in walk.named_parameters(unit_state.module)] if walk is not None
+                   else list(unit_state.module.parameters()))
+        order = {param: place for place, param in enumerate(in_unit)}
         params = unit_params.get(id(unit_state.wrapper))
         if params is not None:
             params.sort(key=lambda param: order.get(param, len(order)))
     position: dict[nn.Parameter, int] = {}
     for module in model.modules():
-        for param in [*unit_params.get(id(module), []), *module.parameters(recurse=False)]:
+        own = [param for _, param in walk.own(module)] if walk is not None else module.parameters(recurse=False)
+        for param in [*unit_params.get(id(module), []), *own]:
             position.setdefault(param, len(position))
     return position
 
 
 def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = None,
-                 named_keys: bool = False) -> _ParamIndex:
-    """Index the optimizer's parameters; ``KeyError`` if one is not a parameter of ``model``."""
+                 named_keys: bool = False, walk: _engine_flat.EngineParamWalk | None = None) -> _ParamIndex:
+    """Index the optimizer's parameters; ``KeyError`` if one is not a parameter of ``model``. ``walk``: the
+    model's parameters as the engine's (the parameters of ``optim_input``, which is then given)."""
     if isinstance(optim, torch.optim.Optimizer):
         _orig_params.rebind_optimizer(optim)  # built before wrapping: now on the model's parameters
-    raw_name_of = {param: name for name, param in model.named_parameters()}  # tied: first name only
+    named = walk.named_parameters(model) if walk is not None else list(model.named_parameters())
+    raw_name_of = {param: name for name, param in named}  # tied: first name only
     fqn_of = {param: clean_name(name) for param, name in raw_name_of.items()}
     # Groups in id order: ``optim_input``'s (deprecated), else the optimizer's, else ``model.parameters()``.
     if optim_input is None:
-        optim_input = optim.param_groups if optim is not None else model.parameters()
+        optim_input = optim.param_groups if optim is not None else [param for _, param in named]
     given: list[Any] = list(optim_input)
     groups = [list(group["params"]) for group in given] if given and isinstance(given[0], dict) else [given]
     ordered = [param for group in groups for param in group]
@@ -125,7 +133,7 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
                        flat_order=flat_order, flat_params=flat_order and not units[0].dtensor_params,
                        unit_of=unit_of,
                        # Only FSDP1's ``use_orig_params=False`` orders read it: a walk of the model saved otherwise.
-                       flat_position=_flat_positions(model, units, unit_of) if flat_order else {},
+                       flat_position=_flat_positions(model, units, unit_of, walk) if flat_order else {},
                        plain_units={number for number, unit in enumerate(units)
                                     if _engine_flat.local_shards(unit.module) is not None})
 
@@ -222,7 +230,8 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
 
 def _export_engine(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *, sharded: bool,
                    rank0_only: bool = False, offload: bool = True, group: Any = None,
-                   optim_input: OptimInput = None, dtensor: bool = False) -> dict[str, Any]:
+                   optim_input: OptimInput = None, dtensor: bool = False,
+                   walk: _engine_flat.EngineParamWalk | None = None) -> dict[str, Any]:
     """``source`` (default ``optim.state_dict()``) keyed by clean names, FULL or SHARDED (``ShardedTensor``
     values, ``DTensor`` ones if ``dtensor``). Every rank must call (gathers); with ``rank0_only`` other
     ranks get ``{}``."""
@@ -236,7 +245,7 @@ def _export_engine(model: nn.Module, optim: Any, source: Mapping[str, Any] | Non
                          "nothing was saved on any rank"):
         state_in = source["state"]
         named = bool(state_in) and all(isinstance(key, str) for key in state_in)
-        index = _param_index(model, optim, optim_input, named_keys=named)
+        index = _param_index(model, optim, optim_input, named_keys=named, walk=walk)
     ordered = _state_order(index, [param for param, key in index.key_of.items() if key in state_in])
     signature = [(index.fqn_of[param], list(state_in[index.key_of[param]])) for param in _held_alike(index, ordered)]
     if dist.is_initialized() and not same_on_all_ranks(signature, group):  # or the gathers would not pair up
@@ -541,7 +550,8 @@ def _holds_sharded_values(osd: Any) -> bool:
 
 def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None,
                    rank0_only: bool = False, group: Any = None, named_keys: bool = False,
-                   load_directly: bool = False, local: bool = False) -> dict[str, Any]:
+                   load_directly: bool = False, local: bool = False,
+                   walk: _engine_flat.EngineParamWalk | None = None) -> dict[str, Any]:
     """``osd`` (keyed by names; full, DTensor or ShardedTensor values) as ``optim.load_state_dict``
     takes it, as new memory. Every rank validates what it reads (only rank 0 under ``rank0_only``)
     and all agree on the outcome before anything is converted: all raise, or none. ``local``: a
@@ -554,7 +564,7 @@ def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: Optim
     reads_input = not (rank0_only and groups) or dist.get_rank(groups[0]) == 0
     with all_ranks_agree(groups, "The optimizer state dict",
                          "no optimizer state was converted or loaded on any rank"):
-        index = _param_index(model, optim, optim_input, named_keys=named_keys)
+        index = _param_index(model, optim, optim_input, named_keys=named_keys, walk=walk)
         if reads_input:
             _validate_for_load(osd, index, optim, load_directly)
             values = [value for param_state in osd["state"].values() for value in param_state.values()]
@@ -603,8 +613,32 @@ def _engine_input(optim_input: OptimInput, translation: _optim_views.Translation
 
 def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *,
             optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
-    """:func:`_export_engine` in the engine's layout (FSDP1's plain parameters translated: ``_optim_views``)."""
+    """:func:`_export_engine` over the plain state: ``source`` (default ``optim.state_dict()``, plain 1-D
+    local tensors keyed by position) read through the :class:`_optim_views.Translation`, its per-element
+    state wrapped, without a copy, in the layout of the engine's parameters it belongs to. The model and
+    the optimizer stay as the user sees them."""
     optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None  # read twice
+    translation = _optim_views.translation_of(model, optim, optim_input)
+    if translation is None:  # DTensor parameters: the engine's layout already
+        return _export_engine(model, optim, source, optim_input=optim_input, **kwargs)
+    plain_source = optim.state_dict() if source is None else source
+    if not _keyed_by_position(plain_source):
+        # A named optimizer's (``_NamedOptimizer``): its names are the engine's parameters' only when shown.
+        return _export_shown(model, optim, source, optim_input=optim_input, **kwargs)
+    source = translation.engine_source(plain_source) if translation.active else plain_source
+    given = optim_input if optim_input is not None else getattr(optim, "param_groups", None)
+    return _export_engine(model, optim, source, optim_input=_engine_input(given, translation),
+                          walk=translation.walk, **kwargs)
+
+
+def _keyed_by_position(source: Mapping[str, Any]) -> bool:
+    return all(isinstance(key, int) for key in source.get("state", {}))
+
+
+def _export_shown(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *,
+                  optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_export` for an optimizer whose ``state_dict()`` is keyed by its own names: taken with the
+    model and the optimizer shown in the engine's layout (``_optim_views.engine_layout``)."""
     wrapper = _optimizer_like(optim)
     if wrapper and source is None:  # its state in the plain layout, before the engine's is shown
         source = optim.state_dict()
@@ -625,18 +659,21 @@ def _optimizer_like(optim: Any) -> bool:
 
 
 def _import(model: nn.Module, optim: Any, osd: Any, *, optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
-    """:func:`_import_engine` in the engine's layout; the result keyed and laid out as ``optim`` holds it
-    (without an optimizer: as ``optim_input``, else ``model.parameters()``, orders them)."""
+    """:func:`_import_engine` over the plain state (names and layouts read through the
+    :class:`_optim_views.Translation`, nothing registered or installed); the result keyed and laid out as
+    ``optim`` holds it (without an optimizer: as ``optim_input``, else ``model.parameters()``, orders them)."""
     optim_input = cast(OptimInput, list(optim_input)) if optim_input is not None else None
     # The optimizer's state is not read: only its groups, given in the engine's parameters.
-    with _optim_views.engine_layout(model, optim, optim_input, show_optimizer=False) as translation:
-        engine_input = _engine_input(optim_input, translation)
-        if translation is not None and engine_input is None and hasattr(optim, "param_groups"):
-            engine_input = _engine_input(cast(OptimInput, optim.param_groups), translation)
-        elif translation is not None and engine_input is None and not isinstance(optim, torch.optim.Optimizer):
-            engine_input = translation.engine_params(translation.params)  # model.parameters()'s order
-        result = _import_engine(model, optim, osd, optim_input=engine_input, **kwargs)
-    return result if translation is None or not translation.active else translation.plain_result(result)
+    translation = _optim_views.translation_of(model, optim, optim_input)
+    if translation is None:  # DTensor parameters: the engine's layout already
+        return _import_engine(model, optim, osd, optim_input=optim_input, **kwargs)
+    engine_input = _engine_input(optim_input, translation)
+    if engine_input is None and hasattr(optim, "param_groups"):
+        engine_input = _engine_input(cast(OptimInput, optim.param_groups), translation)
+    elif engine_input is None:
+        engine_input = translation.engine_params(translation.params)  # model.parameters()'s order
+    result = _import_engine(model, optim, osd, optim_input=engine_input, walk=translation.walk, **kwargs)
+    return translation.plain_result(result) if translation.active else result
 
 
 # State kinds: what an optimizer keeps per parameter, so that a loaded state can always be stepped.

@@ -1,12 +1,15 @@
 """The optimizer state-dict family over FSDP1's plain parameters (``dtensor_params=False``).
 
-The family (``_optim_state``) works in one layout: the engine's sharded ``DTensor`` parameters, with
-per-element state as ``DTensor``s of the same layout. With plain local-shard parameters an optimizer holds
-1-D views (``use_orig_params=True``) or one flat parameter per unit (``False``), and plain 1-D state. For
-the duration of one call, :func:`engine_layout` puts the model and the optimizer in the engine's layout
-(the same memory, no copy: a flat parameter stands for its pieces), and :class:`Translation` converts what
-crosses the boundary: a user-given ``optim.state_dict()`` in, a state to load out (plain 1-D local tensors,
-keyed by the optimizer's own positions).
+With plain local-shard parameters an optimizer holds 1-D views (``use_orig_params=True``) or one flat
+parameter per unit (``False``), and plain 1-D state. The family (``_optim_state``) names and cuts state by
+the engine's parameters: each view stands for one, a flat parameter for its pieces. :func:`translation_of`
+maps the optimizer's parameters onto them without registering or installing anything (the model and the
+optimizer stay as the user sees them), and :class:`Translation` converts what crosses: a plain
+``optim.state_dict()`` in (its per-element state wrapped, without a copy, in its engine parameter's layout
+for the gathers of a FULL save and the values of a SHARDED one), a state to load out (plain local tensors,
+keyed by the optimizer's own positions; a full tensor's piece is cut straight into it). Only torch's
+``get_state_dict`` / ``set_state_dict`` (DCP), which read the engine's DTensors from the model and the
+optimizer themselves, get both shown in the engine's layout for the call (:func:`engine_layout`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Translation:
     params: list[nn.Parameter]  # the optimizer's parameters, in position order (before)
     pieces: list[list[Piece] | None]  # each one's engine pieces (``None``: stays itself)
     flat: list[bool]  # whether it is a flat parameter (several pieces, sliced state)
+    walk: _engine_flat.EngineParamWalk  # the model's parameters named as in the engine's layout
 
     @property
     def active(self) -> bool:
@@ -205,24 +209,19 @@ def _pieces_of(param: Any) -> list[Piece] | None:
     return [(param, sharded, 0, param.numel())] if sharded is not None else None
 
 
-def _has_local_shards(model: nn.Module) -> bool:
-    return bool(_engine_flat.views_to_sharded(model.modules()))
+def _has_local_shards(modules: Iterable[nn.Module]) -> bool:
+    return bool(_engine_flat.views_to_sharded(modules))
 
 
-@contextlib.contextmanager
-def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None,
-                  show_optimizer: bool = True) -> Iterator[Translation | None]:
-    """For the duration: ``model`` shows the engine's DTensors and ``optim`` holds them, its state as
-    DTensors over the same memory; yields the :class:`Translation` (``None``: DTensor parameters) of the
-    optimizer's parameters, else of ``optim_input``'s (a list), else of ``model.parameters()``.
-    ``show_optimizer=False``: the optimizer is left as it is (a load reads only its parameter groups,
-    which the caller translates: installing and restoring its whole state costs more than the load's
-    own bookkeeping)."""
-    if not _has_local_shards(model):
-        yield None
-        return
-    is_optimizer = isinstance(optim, torch.optim.Optimizer)
-    if is_optimizer:
+def translation_of(model: nn.Module, optim: Any, optim_input: Any = None) -> Translation | None:
+    """The :class:`Translation` (``None``: DTensor parameters) of the optimizer's parameters, else of
+    ``optim_input``'s (a list), else of ``model.parameters()``. Nothing is registered or installed: the
+    optimizer state-dict family works from it on the plain state, the model and the optimizer as the user
+    sees them."""
+    modules = list(model.modules())
+    if not _has_local_shards(modules):
+        return None
+    if isinstance(optim, torch.optim.Optimizer):
         _orig_params.rebind_optimizer(optim)  # built before wrapping: first onto the views
         params = [p for group in optim.param_groups for p in group["params"]]
     elif optim_input is not None:
@@ -231,10 +230,24 @@ def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None,
         params = [p for group in optim.param_groups for p in group["params"]]
     else:
         params = list(model.parameters())
+    walk = _engine_flat.EngineParamWalk(modules)
     pieces = [_pieces_of(param) for param in params]
-    translation = Translation(params, pieces, [_engine_flat.flat_pieces(p) is not None for p in params])
+    return Translation(params, pieces, [_engine_flat.flat_pieces(p) is not None for p in params], walk)
+
+
+@contextlib.contextmanager
+def engine_layout(model: nn.Module, optim: Any, optim_input: Any = None) -> Iterator[Translation | None]:
+    """For the duration: ``model`` shows the engine's DTensors and ``optim`` holds them, its state as
+    DTensors over the same memory; yields the :class:`Translation` (see :func:`translation_of`). For
+    torch's ``get_state_dict`` / ``set_state_dict`` (DCP), which read the engine's DTensors from the
+    model and the optimizer, and for optimizers whose ``state_dict()`` is not keyed by position."""
+    translation = translation_of(model, optim, optim_input)
+    if translation is None:
+        yield None
+        return
+    params, pieces = translation.params, translation.pieces
     with _engine_flat.engine_params(model.modules()):
-        if not is_optimizer or not translation.active or not show_optimizer:
+        if not isinstance(optim, torch.optim.Optimizer) or not translation.active:
             yield translation
             return
         saved_state = dict(optim.state)
