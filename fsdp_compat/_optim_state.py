@@ -29,7 +29,7 @@ from . import _engine, _engine_flat, _optim_views, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._tensor_layout import (GatherBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
-                             is_replicated_only, is_sharded_tensor, local_copy, local_piece, scatter_like, scatterable,
+                             is_replicated_only, is_sharded_tensor, local_copy, local_rows, scatter_like, scatterable,
                              to_full, to_layout_of)
 from ._unit_state import UnitState, state_of, units_in
 from .api import OptimStateKeyType, StateDictType
@@ -471,16 +471,37 @@ def _import_value(value: Any, param: nn.Parameter) -> Any:
     return to_layout_of(value, param)
 
 
-def _plain_piece(value: Any, param: nn.Parameter) -> torch.Tensor | None:
-    """This rank's piece of the full plain tensor ``value`` (``param``'s shape) in the layout the optimizer steps
-    FSDP1's plain shard in (1-D where sharded), as a view of ``value`` (the caller copies it once, into its
-    place); ``None`` for any other value. No ``DTensor`` is made."""
-    if not (isinstance(param, DTensor) and torch.is_tensor(value) and len(value.shape) > 0
-            and not (isinstance(value, DTensor) or is_sharded_tensor(value))
-            and tuple(value.shape) == tuple(param.shape)):
+@dataclasses.dataclass(frozen=True)
+class _PlainCut:
+    """Where this rank's piece of a parameter lies in a full tensor of its shape, and how the optimizer
+    holds it: FSDP1's plain shard (1-D where sharded, the parameter's shape where replicated). Found once
+    per parameter, used for each of its state tensors."""
+
+    shape: torch.Size  # the parameter's (full) shape
+    start: int
+    count: int
+    flatten: bool
+    device: torch.device
+
+    def piece(self, value: Any, copy: bool) -> torch.Tensor | None:
+        """This rank's piece of ``value``, a full plain tensor of the parameter's shape (``None`` for any
+        other value), a view of it unless ``copy``. No ``DTensor`` is made."""
+        if not (torch.is_tensor(value) and value.shape == self.shape and len(self.shape) > 0
+                and not (isinstance(value, DTensor) or is_sharded_tensor(value))):
+            return None
+        piece = value.detach()[self.start:self.start + self.count]
+        if piece.device != self.device:
+            piece = piece.to(self.device)  # a copy already
+        elif copy:
+            piece = piece.clone(memory_format=torch.contiguous_format)
+        return piece.reshape(-1) if self.flatten else piece
+
+
+def _plain_cut(param: nn.Parameter) -> _PlainCut | None:
+    """``param``'s :class:`_PlainCut`; ``None`` where it is no engine parameter laid out by rows."""
+    if not isinstance(param, DTensor) or (rows := local_rows(param)) is None:
         return None
-    piece = local_piece(value.detach(), param, copy=False)
-    return piece if _replicated(param) else piece.reshape(-1)
+    return _PlainCut(param.shape, rows[0], rows[1], not _replicated(param), _engine.local_tensor(param).device)
 
 
 def _import_value_whole(value: Any) -> Any:
@@ -580,13 +601,13 @@ def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: Optim
     into_flat = index.flat_params and not named_keys
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        plain = index.unit_of.get(param, -1) in index.plain_units
+        cut = _plain_cut(param) if index.unit_of.get(param, -1) in index.plain_units else None
         converted: dict[str, Any] = {}
         for state_name, value in param_state.items():
             if (name, state_name) in received:
                 converted[state_name] = received[name, state_name]
-            elif plain and (piece := _plain_piece(value, param)) is not None:
-                converted[state_name] = piece if into_flat else piece.clone()
+            elif cut is not None and (piece := cut.piece(value, copy=not into_flat)) is not None:
+                converted[state_name] = piece
             else:
                 converted[state_name] = _import_value(value, param)
         state[index.key_of[param]] = converted

@@ -198,6 +198,12 @@ def _local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | None:
     return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim)), local.shape[0]
 
 
+def local_rows(like: DTensor) -> tuple[int, int] | None:
+    """``(first row, row count)`` of this rank's piece of ``like`` in the engine's layout; ``None`` if laid
+    out otherwise (or a 0-d tensor)."""
+    return _local_rows(like, local_tensor(like))
+
+
 def _local_box(like: DTensor, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global offset and shape of this rank's piece ``local`` of ``like``."""
     rows = _local_rows(like, local)
@@ -266,16 +272,15 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     return dtensor_like(local_piece(full, like), like)
 
 
-def local_piece(full: torch.Tensor, like: DTensor, *, copy: bool = True) -> torch.Tensor:
-    """:func:`shard_like`'s local tensor alone (a plain copy of this rank's piece), for state kept plain.
-    ``copy=False``: a view of ``full`` where it can be one (for a caller that copies it once, into its place)."""
+def local_piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """:func:`shard_like`'s local tensor alone (a plain copy of this rank's piece), for state kept plain."""
     local = local_tensor(like)
     rows = _local_rows(like, local)
     if rows is not None:  # the engine's layout: a run of rows (the common case, kept cheap)
         piece = full[rows[0]:rows[0] + rows[1]]
     else:
         piece = full[tuple(slice(begin, begin + size) for begin, size in zip(*_local_box(like, local)))]
-    return piece.to(local.device, copy=copy, memory_format=torch.contiguous_format)
+    return piece.to(local.device, copy=True, memory_format=torch.contiguous_format)
 
 
 def scatterable(like: torch.Tensor, group: Any) -> bool:
