@@ -169,6 +169,14 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="rank-pool-parent-watch", daemon=True).start()
 
 
+def _adopt_environment(environment: dict[str, str]) -> None:
+    """Take the parent's environment as it is now (a forkserver child starts with the server's, a
+    snapshot from when the server started), as a spawned worker would have it."""
+    for name in set(os.environ) - set(environment):
+        del os.environ[name]
+    os.environ.update(environment)
+
+
 def _init_worker(rank_: int, world_size_: int, backend: str, port: int, threads: int) -> None:
     """Set the torchrun-style environment and join the process group."""
     os.environ.update(
@@ -229,7 +237,13 @@ def _as_in_a_fresh_process() -> Iterator[None]:
 
 
 def _worker_main(
-    rank_: int, world_size_: int, backend: str, port: int, threads: int, conn: mp_connection.Connection
+    rank_: int,
+    world_size_: int,
+    backend: str,
+    port: int,
+    threads: int,
+    conn: mp_connection.Connection,
+    environment: dict[str, str],
 ) -> None:
     """Entry point of a pool worker: join the group, then serve calls."""
     # Ctrl-C goes to the whole process group; let the parent decide how to
@@ -237,6 +251,7 @@ def _worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     try:
+        _adopt_environment(environment)
         _init_worker(rank_, world_size_, backend, port, threads)
     except BaseException:
         _send(conn, ("err", "process group initialisation failed:\n" + traceback.format_exc()))
@@ -256,6 +271,20 @@ def _worker_main(
 # --------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------
+
+
+def _start_context() -> Any:
+    """How workers are started: forked from multiprocessing's fork server, which imports this module
+    (so torch and fsdp_compat) once for the whole session. A spawned worker spent seconds of CPU
+    importing torch on every pool start and every restart after a failure; a forked one starts at
+    once. The server is a fresh interpreter that only imports (no threads, no CUDA context, no
+    process group), so forking it is as safe as spawning; each worker still takes the parent's
+    current environment (:func:`_adopt_environment`)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # not on this platform
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # read when the server starts (the first pool start)
+    return ctx
 
 
 def _free_port() -> int:
@@ -290,8 +319,8 @@ _LIVE_POOLS: weakref.WeakSet[RankPool] = weakref.WeakSet()
 class RankPool:
     """A long-lived group of ``world_size`` ranks that runs functions on demand.
 
-    Workers are started with the multiprocessing *spawn* context and join a
-    ``torch.distributed`` process group once; :meth:`run` then sends the same
+    Workers are started with the multiprocessing *forkserver* context (see
+    :func:`_start_context`) and join a ``torch.distributed`` process group once; :meth:`run` then sends the same
     call to every rank.  After any failure the pool is torn down and the next
     :meth:`run` transparently starts a fresh one, because surviving ranks may
     be stuck in a collective that can never complete.
@@ -354,7 +383,7 @@ class RankPool:
                     raise
 
     def _spawn_and_handshake(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _start_context()
         port, threads = _free_port(), _worker_threads()
         try:
             self._spawn_workers(ctx, port, threads)
@@ -371,7 +400,7 @@ class RankPool:
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(r, self.world_size, self.backend, port, threads, child_end),
+                args=(r, self.world_size, self.backend, port, threads, child_end, dict(os.environ)),
                 name=f"rank-pool-{self.world_size}-rank{r}",
             )
             proc.start()

@@ -7,6 +7,8 @@ ranks, all three must agree step by step.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import warnings
@@ -111,6 +113,28 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, first_
     return losses
 
 
+def computed_once_per_process(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a deterministic single-process run: a reference for several tests, e.g. every strategy of
+    test_training_parity) computed once per rank process and argument tuple: each call gets a deep copy
+    of the result and the CPU RNG state the run left, as if it ran again. Runs on a GPU are not cached."""
+    results: dict[tuple[Any, ...], tuple[Any, torch.Tensor]] = {}
+
+    @functools.wraps(fn)
+    def cached(*args: Any, **kwargs: Any) -> Any:
+        if device().type != "cpu":
+            return fn(*args, **kwargs)
+        key = (*args, *sorted(kwargs.items()))
+        if key not in results:
+            result = fn(*args, **kwargs)
+            results[key] = (copy.deepcopy(result), torch.get_rng_state())
+        result, rng_state = results[key]
+        torch.set_rng_state(rng_state)
+        return copy.deepcopy(result)
+
+    return cached
+
+
+@computed_once_per_process
 def reference_run(optimizer_name: str, steps: int, seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process, unsharded run on the whole global batch."""
     model = make_model(seed)

@@ -8,6 +8,7 @@ library must never run on FSDP1's code, only recognise FSDP1 objects a user pass
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import pathlib
@@ -86,7 +87,8 @@ def _names_bound_to_other_modules(tree: ast.Module) -> set[str]:
     return names
 
 
-def _names_the_library_defines() -> set[str]:
+@functools.cache  # the whole package parsed once, not once per file checked
+def _names_the_library_defines() -> frozenset[str]:
     """Every private name the package itself defines (functions, classes, attributes it assigns):
     a private attribute outside this set belongs to someone else, i.e. torch."""
     names = set()
@@ -104,7 +106,7 @@ def _names_the_library_defines() -> set[str]:
                 names.add(node.value)  # setattr/getattr by name, __slots__
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
-    return names
+    return frozenset(names)
 
 
 def _chain(node: ast.Attribute) -> tuple[str | None, list[str]]:

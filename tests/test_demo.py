@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from fsdp_compat import demo
+
 
 def _run_demo(*arguments: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fsdp_compat.demo", *arguments],
@@ -22,15 +26,19 @@ def test_demo_trains_checkpoints_and_resumes(tmp_path):
     assert (latest / "full.pt").exists() and (latest / "sharded").is_dir()
 
 
-def test_demo_help_lists_the_options():
-    result = _run_demo("--help")
-    assert result.returncode == 0
+def test_demo_help_lists_the_options(capsys):
+    # In this process: the command line itself runs in the test above (a fresh interpreter costs seconds).
+    with pytest.raises(SystemExit) as exited:
+        demo.main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
     for option in ("--nproc", "--steps", "--strategy", "--mixed-precision", "--cpu-offload",
                    "--checkpoint-dir", "--compare-fsdp1"):
-        assert option in result.stdout
+        assert option in out
 
 
-def test_demo_fails_clearly_on_bad_input():
-    result = _run_demo("--steps", "3")
-    assert result.returncode != 0
-    assert "--steps must be an even number" in result.stderr
+def test_demo_fails_clearly_on_bad_input(capsys):
+    with pytest.raises(SystemExit) as exited:
+        demo.main(["--steps", "3"])
+    assert exited.value.code != 0
+    assert "--steps must be an even number" in capsys.readouterr().err
