@@ -875,14 +875,14 @@ class EngineParamWalk:
     parameters, as :meth:`LocalShards.hide` appends them. The optimizer state-dict family reads names this
     way and keeps the model as the user sees it (it reads no parameter values)."""
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.named_modules = list(root.named_modules())  # walked once: the family reads it several times
+        self.shards = [shards for _, module in self.named_modules if (shards := local_shards(module)) is not None]
         self._sharded: dict[int, DTensor] = {}  # id(view) -> its DTensor
         self._flat: set[int] = set()  # ids of flat parameters: unregistered in the engine's layout
         self._appended: dict[int, list[tuple[str, DTensor]]] = {}  # id(module) -> flat mode's pieces there
-        for module in modules:
-            shards = local_shards(module)
-            if shards is None:
-                continue
+        for shards in self.shards:
             shards.follow()  # the engine's current DTensors, as engine_params reads them
             shards.writeback()  # a replaced view adopted first
             for piece in shards.pieces:
@@ -904,22 +904,12 @@ class EngineParamWalk:
         """``root.named_parameters()`` in the engine's layout (a tied parameter under its first name)."""
         seen: set[int] = set()
         named = []
-        for prefix, module in root.named_modules():
+        for prefix, module in (self.named_modules if root is self.root else root.named_modules()):
             for name, param in self.own(module):
                 if id(param) not in seen:
                     seen.add(id(param))
                     named.append((f"{prefix}.{name}" if prefix else name, param))
         return named
-
-
-def views_to_sharded(modules: Iterable[nn.Module]) -> dict[int, tuple[nn.Parameter, DTensor]]:
-    """id(view) -> (view, the engine's sharded DTensor it shows), over the units ``modules``."""
-    found: dict[int, tuple[nn.Parameter, DTensor]] = {}
-    for module in modules:
-        if (shards := local_shards(module)) is not None:
-            found.update((id(piece.view), (piece.view, cast(DTensor, piece.fsdp_param.sharded_param)))
-                         for piece in shards.pieces)
-    return found
 
 
 def flat_pieces(param: Any) -> list[tuple[nn.Parameter, DTensor, int, int]] | None:

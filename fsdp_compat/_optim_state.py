@@ -122,7 +122,8 @@ def _param_index(model: nn.Module, optim: Any = None, optim_input: OptimInput = 
                        "parameters the optimizer was built on")
     key_of = {param: (raw_name_of[param] if named_keys else position)
               for position, param in enumerate(ordered)}
-    units = units_in(model)
+    units = units_in(model) if walk is None else [unit for _, module in walk.named_modules
+                                                  if (unit := state_of(module)) is not None]
     if len({unit.use_orig_params for unit in units}) > 1:  # as FSDP1 checks
         raise AssertionError("Not all FSDP modules have the same _use_orig_params value")
     flat_order = bool(units) and not units[0].use_orig_params

@@ -209,17 +209,13 @@ def _pieces_of(param: Any) -> list[Piece] | None:
     return [(param, sharded, 0, param.numel())] if sharded is not None else None
 
 
-def _has_local_shards(modules: Iterable[nn.Module]) -> bool:
-    return bool(_engine_flat.views_to_sharded(modules))
-
-
 def translation_of(model: nn.Module, optim: Any, optim_input: Any = None) -> Translation | None:
     """The :class:`Translation` (``None``: DTensor parameters) of the optimizer's parameters, else of
     ``optim_input``'s (a list), else of ``model.parameters()``. Nothing is registered or installed: the
     optimizer state-dict family works from it on the plain state, the model and the optimizer as the user
     sees them."""
-    modules = list(model.modules())
-    if not _has_local_shards(modules):
+    walk = _engine_flat.EngineParamWalk(model)
+    if not walk.shards:
         return None
     if isinstance(optim, torch.optim.Optimizer):
         _orig_params.rebind_optimizer(optim)  # built before wrapping: first onto the views
@@ -230,7 +226,6 @@ def translation_of(model: nn.Module, optim: Any, optim_input: Any = None) -> Tra
         params = [p for group in optim.param_groups for p in group["params"]]
     else:
         params = list(model.parameters())
-    walk = _engine_flat.EngineParamWalk(modules)
     pieces = [_pieces_of(param) for param in params]
     return Translation(params, pieces, [_engine_flat.flat_pieces(p) is not None for p in params], walk)
 
