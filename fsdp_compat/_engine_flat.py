@@ -894,6 +894,10 @@ class EngineParamWalk:
                         self._appended.setdefault(id(slot_module), []).append((name, sharded))
             self._flat.update(id(param) for param in shards.flat_params)
 
+    def sharded_of(self, param: Any) -> DTensor | None:
+        """The engine's DTensor the view ``param`` shows (``use_orig_params=True``), else ``None``."""
+        return self._sharded.get(id(param))
+
     def own(self, module: nn.Module) -> list[tuple[str, Any]]:
         """``module.named_parameters(recurse=False)`` in the engine's layout."""
         own = [(name, self._sharded.get(id(param), param)) for name, param in module._parameters.items()

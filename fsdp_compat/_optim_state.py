@@ -70,6 +70,14 @@ class _ParamIndex:
     unit_of: dict[nn.Parameter, int]        # pre-order index of the owning unit (managed only)
     flat_position: dict[nn.Parameter, int]  # place in FSDP1's flat-parameter traversal
     plain_units: set[int] = dataclasses.field(default_factory=set)  # units showing FSDP1's plain shards
+    _replicated: dict[int, bool] = dataclasses.field(default_factory=dict)  # see replicated
+
+    def replicated(self, param: nn.Parameter) -> bool:
+        """:func:`_replicated`, found once per parameter and call."""
+        found = self._replicated.get(id(param))
+        if found is None:
+            found = self._replicated[id(param)] = _replicated(param)
+        return found
 
     def in_flat_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """Grouped by flat parameter as FSDP1 ``use_orig_params=False`` lists them; else as given (stable)."""
@@ -154,7 +162,7 @@ def _state_name_order(index: _ParamIndex, param: nn.Parameter, state: Mapping[st
     """FSDP1's order of one parameter's state names. It rebuilds a managed parameter's dict from
     sorted pieces: tensors, scalar tensors, other values with ``use_orig_params=False``; the
     reverse with ``True`` when it gathers (split over 2+ ranks). Else the optimizer's order."""
-    if param not in index.unit_of or (not index.flat_order and _replicated(param)):
+    if param not in index.unit_of or (not index.flat_order and index.replicated(param)):
         return list(state)
 
     def kind(name: str) -> int:  # 0: tensor, 1: scalar tensor, 2: other
@@ -435,7 +443,7 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
         if not isinstance(param_state, Mapping):
             raise ValueError(f"The state of {name!r} must be a dict of state names to values, "
                              f"not {type(param_state).__name__}")
-        replicated = _replicated(param)
+        replicated = index.replicated(param)
         for state_name, value in param_state.items():
             # A replicated parameter's state is carried whole, whatever its shape (AdaFactor's factored
             # rows / columns under NO_SHARD), as FSDP1's; a sharded one's is cut as the parameter.
@@ -498,11 +506,11 @@ class _PlainCut:
         return piece.reshape(-1) if self.flatten else piece
 
 
-def _plain_cut(param: nn.Parameter) -> _PlainCut | None:
+def _plain_cut(param: nn.Parameter, replicated: bool) -> _PlainCut | None:
     """``param``'s :class:`_PlainCut`; ``None`` where it is no engine parameter laid out by rows."""
     if not isinstance(param, DTensor) or (rows := local_rows(param)) is None:
         return None
-    return _PlainCut(param.shape, rows[0], rows[1], not _replicated(param), _engine.local_tensor(param).device)
+    return _PlainCut(param.shape, rows[0], rows[1], not replicated, _engine.local_tensor(param).device)
 
 
 def _import_value_whole(value: Any) -> Any:
@@ -602,7 +610,7 @@ def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: Optim
     into_flat = index.flat_params and not named_keys
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        cut = _plain_cut(param) if index.unit_of.get(param, -1) in index.plain_units else None
+        cut = _plain_cut(param, index.replicated(param)) if index.unit_of.get(param, -1) in index.plain_units else None
         converted: dict[str, Any] = {}
         for state_name, value in param_state.items():
             if (name, state_name) in received:

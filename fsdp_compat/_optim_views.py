@@ -201,11 +201,14 @@ def _zero_outside(flat: torch.Tensor, filled: list[tuple[int, int]]) -> None:
         flat[end:].zero_()
 
 
-def _pieces_of(param: Any) -> list[Piece] | None:
+def _pieces_of(param: Any, walk: _engine_flat.EngineParamWalk | None = None) -> list[Piece] | None:
     flat = _engine_flat.flat_pieces(param)
     if flat is not None:
         return flat
-    sharded = _engine_flat.sharded_of_view(param) if isinstance(param, nn.Parameter) else None
+    if walk is not None:
+        sharded = walk.sharded_of(param)
+    else:
+        sharded = _engine_flat.sharded_of_view(param) if isinstance(param, nn.Parameter) else None
     return [(param, sharded, 0, param.numel())] if sharded is not None else None
 
 
@@ -226,7 +229,7 @@ def translation_of(model: nn.Module, optim: Any, optim_input: Any = None) -> Tra
         params = [p for group in optim.param_groups for p in group["params"]]
     else:
         params = list(model.parameters())
-    pieces = [_pieces_of(param) for param in params]
+    pieces = [_pieces_of(param, walk) for param in params]
     return Translation(params, pieces, [_engine_flat.flat_pieces(p) is not None for p in params], walk)
 
 
