@@ -135,7 +135,9 @@ def _keep_own_mesh(fsdp_param: FSDPParam) -> None:
 def _own_mesh_on_specs(fsdp_param: FSDPParam) -> None:
     """The unit's mesh (the engine's ``_spmd_mesh``) on the sharded parameter's spec and on the spec the
     engine builds its DTensors from, where they hold an equal mesh (same ranks) of another group."""
-    mesh = fsdp_param._spmd_mesh
+    mesh = getattr(fsdp_param, "_spmd_mesh", None)  # the unit's mesh, or with a DTensor (TP) parameter its 2-D one
+    if mesh is None:
+        mesh = fsdp_param.mesh_info.mesh
     for owner, attribute in ((fsdp_param.sharded_param, "_spec"), (fsdp_param, "_sharding_spec")):
         spec = getattr(owner, attribute, None)
         if spec is not None and spec.mesh is not mesh and spec.mesh == mesh:
