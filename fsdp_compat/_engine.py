@@ -106,7 +106,42 @@ def apply_engine(module: nn.Module, *, mesh: DeviceMesh, replicate_only: bool, r
                         else fully_shard(module, reshard_after_forward=reshard_after_forward, **options))
     for group in param_groups(unit):
         _accumulate_in_compute_dtype(group)
+        for fsdp_param in group.fsdp_params:
+            _keep_own_mesh(fsdp_param)
     return unit
+
+
+def _keep_own_mesh(fsdp_param: FSDPParam) -> None:
+    """Make the sharded parameter carry its unit's mesh, now and after every ``reset_sharded_param``.
+
+    DTensor takes an operator's output layout, ``nn.Parameter(dtensor)``'s (the engine's sharded parameter)
+    and ``.to()``'s (``nn.Module._apply``) included, from a cache keyed by meshes, which compare by ranks,
+    not by process groups. A unit over a second group of the same ranks (a second model, a ``dist.new_group``
+    with another timeout or options) would carry the first group's mesh, and so would its state dicts'
+    ``ShardedTensor``s and ``DTensor``s (FSDP1's are over the unit's own group), its gathers, and the
+    ``DTensor``s its specs build (gradients): a group the user may destroy. The engine's collectives use
+    the unit's mesh either way."""
+    _own_mesh_on_specs(fsdp_param)
+    reset_sharded_param = fsdp_param.reset_sharded_param
+
+    @functools.wraps(reset_sharded_param)
+    def reset_sharded_param_on_own_mesh() -> None:
+        reset_sharded_param()
+        _own_mesh_on_specs(fsdp_param)
+
+    fsdp_param.reset_sharded_param = reset_sharded_param_on_own_mesh  # type: ignore[method-assign]
+
+
+def _own_mesh_on_specs(fsdp_param: FSDPParam) -> None:
+    """The unit's mesh (the engine's ``_spmd_mesh``) on the sharded parameter's spec and on the spec the
+    engine builds its DTensors from, where they hold an equal mesh (same ranks) of another group."""
+    mesh = getattr(fsdp_param, "_spmd_mesh", None)  # the unit's mesh, or with a DTensor (TP) parameter its 2-D one
+    if mesh is None:
+        mesh = fsdp_param.mesh_info.mesh
+    for owner, attribute in ((fsdp_param.sharded_param, "_spec"), (fsdp_param, "_sharding_spec")):
+        spec = getattr(owner, attribute, None)
+        if spec is not None and spec.mesh is not mesh and spec.mesh == mesh:
+            setattr(owner, attribute, dataclasses.replace(spec, mesh=mesh))
 
 
 def _accumulate_in_compute_dtype(group: FSDPParamGroup) -> None:
