@@ -196,13 +196,13 @@ def _hyper_parameters(saved_group: Mapping[str, Any]) -> dict[str, Any]:  # as n
 
 # Saving: optimizer ids and engine shards -> FSDP1 names, FULL or SHARDED.
 
-def _export_value(value: Any, *, sharded: bool, offload: bool, dtensor: bool) -> Any:
+def _export_value(value: Any, *, sharded: bool, offload: bool, dtensor: bool, param: Any = None) -> Any:
     """One state value in the saved layout, as new memory (a sharded one as ``DTensor`` if ``dtensor``,
     else as FSDP1's ``ShardedTensor``)."""
     device = "cpu" if offload else None
     if isinstance(value, DTensor):
         if sharded and not is_replicated_only(value):
-            shard = local_copy(value, device)
+            shard = local_copy(value, device, like=param)
             return shard if dtensor else as_sharded_tensor(shard)
         # FULL, or NO_SHARD's replicated state (FSDP1's SHARDED form holds full tensors there).
         return full_tensors([value], device)[0]
@@ -232,7 +232,7 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
         return {}
     return {index.fqn_of[param]: {
                 name: gathered[param, name] if (param, name) in gathered
-                else _export_value(state[name], sharded=sharded, offload=offload, dtensor=dtensor)
+                else _export_value(state[name], sharded=sharded, offload=offload, dtensor=dtensor, param=param)
                 for name in _state_name_order(index, param, state)}
             for param, state in states.items()}
 

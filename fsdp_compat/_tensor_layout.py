@@ -261,8 +261,14 @@ def full_tensors(values: list[DTensor], device: torch.device | str | None = None
     return gather_full_tensors(values, mesh_device, out_device=out_device, keep=keep, buffer=buffer)
 
 
-def local_copy(value: DTensor, device: torch.device | str | None = None) -> DTensor:
-    """``value`` with its local shard copied (optionally to ``device``); same layout."""
+def local_copy(value: DTensor, device: torch.device | str | None = None, like: Any = None) -> DTensor:
+    """``value`` with its local shard copied (optionally to ``device``); same layout, over ``like``'s mesh
+    (its parameter's) where that is an equal mesh of another group: a DTensor op (the optimizer's
+    ``zeros_like``) takes its output mesh from DTensor's cache, keyed by meshes that compare by ranks."""
+    mesh = like.device_mesh if isinstance(like, DTensor) else value.device_mesh
+    if mesh is not value.device_mesh and mesh == value.device_mesh:
+        return DTensor.from_local(copy_to(value.to_local(), device), mesh, value.placements,
+                                  run_check=False, shape=value.shape, stride=value.stride())
     return dtensor_like(copy_to(value.to_local(), device), value)
 
 

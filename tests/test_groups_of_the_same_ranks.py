@@ -34,11 +34,12 @@ LOCAL = fsdp_compat.StateDictType.LOCAL_STATE_DICT
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=20)
 
 
-def build(group: Any, use_orig_params: bool = True, steps: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(group: Any, use_orig_params: bool = True, steps: int = 1,
+          dtensor_params: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The seeded model wrapped per block over ``group``, trained ``steps`` AdamW steps."""
     diff.quiet()
     model = FSDP(diff.make_model(), process_group=group, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                 use_orig_params=use_orig_params)
+                 use_orig_params=use_orig_params, dtensor_params=dtensor_params)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     diff.train(model, optim, steps)
     return model, optim
@@ -86,10 +87,12 @@ def sharded_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[
 
 
 @pytest.mark.skipif(ShardedTensor is None, reason="this torch has no ShardedTensor")
-@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("use_orig_params,dtensor_params", [(True, False), (False, False), (True, True)],
+                         ids=["orig_params", "flat_params", "dtensor_params"])
 @distributed_test(world_size=2)
-def test_sharded_optimizer_state_dict_of_each_model_is_over_its_own_group(use_orig_params):
-    models = two_models(use_orig_params=use_orig_params)
+def test_sharded_optimizer_state_dict_of_each_model_is_over_its_own_group(use_orig_params, dtensor_params):
+    # With the engine's DTensor parameters the optimizer's own ops (AdamW's ``zeros_like``) make its state.
+    models = two_models(use_orig_params=use_orig_params, dtensor_params=dtensor_params)
     for group, model, optim in models + models[:1]:  # the first model again, after the second
         saved = sharded_optim_state(model, optim)
         sharded = sum(torch.is_tensor(value) and value.dim() > 0 for state in saved["state"].values()
