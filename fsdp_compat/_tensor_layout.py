@@ -272,21 +272,21 @@ def local_copy(value: DTensor, device: torch.device | str | None = None, like: A
     return dtensor_like(copy_to(value.to_local(), device), value)
 
 
-def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
-    """This rank's part of ``full`` (held by every rank) laid out as ``like``, as new memory;
-    no communication."""
-    return dtensor_like(local_piece(full, like), like)
+def shard_like(full: torch.Tensor, like: DTensor, *, copy: bool = True) -> DTensor:
+    """This rank's part of ``full`` (held by every rank) laid out as ``like``, as new memory (``copy=False``:
+    a view of ``full`` where it can be one, for a caller that copies it into place); no communication."""
+    return dtensor_like(local_piece(full, like, copy=copy), like)
 
 
-def local_piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """:func:`shard_like`'s local tensor alone (a plain copy of this rank's piece), for state kept plain."""
+def local_piece(full: torch.Tensor, like: DTensor, *, copy: bool = True) -> torch.Tensor:
+    """:func:`shard_like`'s local tensor alone (a plain copy of this rank's piece, or a view: ``copy``)."""
     local = local_tensor(like)
     rows = _local_rows(like, local)
     if rows is not None:  # the engine's layout: a run of rows (the common case, kept cheap)
         piece = full[rows[0]:rows[0] + rows[1]]
     else:
         piece = full[tuple(slice(begin, begin + size) for begin, size in zip(*_local_box(like, local)))]
-    return piece.to(local.device, copy=True, memory_format=torch.contiguous_format)
+    return piece.to(local.device, copy=copy, memory_format=torch.contiguous_format)
 
 
 def scatterable(like: torch.Tensor, group: Any) -> bool:
@@ -396,6 +396,6 @@ def to_layout_of(value: torch.Tensor, like: torch.Tensor, *, copy: bool = True) 
         return dtensor_like(piece.detach().to(local_tensor(like).device, copy=copy), like)
     layout = (like.shape, like.device_mesh, tuple(like.placements))
     if not (isinstance(value, DTensor) and (value.shape, value.device_mesh, tuple(value.placements)) == layout):
-        return shard_like(to_full(value), like)
+        return shard_like(to_full(value), like, copy=copy)  # ``copy=False``: a view of the full tensor
     # ``value`` lends its spec (its dtype: the cheap construction, see dtensor_like).
     return dtensor_like(value.to_local().detach().to(local_tensor(like).device, copy=copy), value)
