@@ -29,7 +29,7 @@ from . import _engine, _engine_flat, _optim_views, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
 from ._tensor_layout import (GatherBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
-                             is_replicated_only, is_sharded_tensor, local_copy, local_rows, scatter_like, scatterable,
+                             is_replicated_only, is_sharded_tensor, local_copy, local_piece, scatter_like, scatterable,
                              to_full, to_layout_of)
 from ._unit_state import UnitState, state_of, units_in
 from .api import OptimStateKeyType, StateDictType
@@ -467,10 +467,8 @@ def _validate_states(state: Mapping[str, Any], index: _ParamIndex, optim: Any,
 def _import_value(value: Any, param: nn.Parameter) -> Any:
     """One saved state value in the layout of ``param``'s state, as new memory. Tensors inside lists,
     tuples or dicts (SOAP's) are taken whole, as FSDP1 does (gathered where saved sharded)."""
-    if isinstance(value, (list, tuple)):
-        return type(value)(_import_value_whole(item) for item in value)
-    if isinstance(value, Mapping):
-        return {key: _import_value_whole(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, Mapping)):
+        return _import_value_whole(value)
     if not torch.is_tensor(value):
         return copy.deepcopy(value)
     if len(value.shape) == 0:  # scalar state (``step``): the optimizer places it itself
@@ -480,37 +478,15 @@ def _import_value(value: Any, param: nn.Parameter) -> Any:
     return to_layout_of(value, param)
 
 
-@dataclasses.dataclass(frozen=True)
-class _PlainCut:
-    """Where this rank's piece of a parameter lies in a full tensor of its shape, and how the optimizer
-    holds it: FSDP1's plain shard (1-D where sharded, the parameter's shape where replicated). Found once
-    per parameter, used for each of its state tensors."""
-
-    shape: torch.Size  # the parameter's (full) shape
-    start: int
-    count: int
-    flatten: bool
-    device: torch.device
-
-    def piece(self, value: Any, copy: bool) -> torch.Tensor | None:
-        """This rank's piece of ``value``, a full plain tensor of the parameter's shape (``None`` for any
-        other value), a view of it unless ``copy``. No ``DTensor`` is made."""
-        if not (torch.is_tensor(value) and value.shape == self.shape and len(self.shape) > 0
-                and not (isinstance(value, DTensor) or is_sharded_tensor(value))):
-            return None
-        piece = value.detach()[self.start:self.start + self.count]
-        if piece.device != self.device:
-            piece = piece.to(self.device)  # a copy already
-        elif copy:
-            piece = piece.clone(memory_format=torch.contiguous_format)
-        return piece.reshape(-1) if self.flatten else piece
-
-
-def _plain_cut(param: nn.Parameter, replicated: bool) -> _PlainCut | None:
-    """``param``'s :class:`_PlainCut`; ``None`` where it is no engine parameter laid out by rows."""
-    if not isinstance(param, DTensor) or (rows := local_rows(param)) is None:
+def _plain_piece(value: Any, param: nn.Parameter, replicated: bool, copy: bool) -> torch.Tensor | None:
+    """This rank's piece of ``value``, a full plain tensor of ``param``'s shape, as the optimizer holds FSDP1's
+    plain shard (1-D where sharded); a view of ``value`` unless ``copy``. ``None`` for any other value. No
+    ``DTensor`` is made."""
+    if not (isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape
+            and len(value.shape) > 0 and not (isinstance(value, DTensor) or is_sharded_tensor(value))):
         return None
-    return _PlainCut(param.shape, rows[0], rows[1], not replicated, _engine.local_tensor(param).device)
+    piece = local_piece(value.detach(), param, copy=copy)
+    return piece if replicated else piece.reshape(-1)
 
 
 def _import_value_whole(value: Any) -> Any:
@@ -610,12 +586,13 @@ def _import_engine(model: nn.Module, optim: Any, osd: Any, *, optim_input: Optim
     into_flat = index.flat_params and not named_keys
     for name, param_state in osd["state"].items():
         param = index.param_of_fqn[name]
-        cut = _plain_cut(param, index.replicated(param)) if index.unit_of.get(param, -1) in index.plain_units else None
+        plain = index.unit_of.get(param, -1) in index.plain_units
         converted: dict[str, Any] = {}
         for state_name, value in param_state.items():
             if (name, state_name) in received:
                 converted[state_name] = received[name, state_name]
-            elif cut is not None and (piece := cut.piece(value, copy=not into_flat)) is not None:
+            elif plain and (piece := _plain_piece(value, param, index.replicated(param), copy=not into_flat)) \
+                    is not None:
                 converted[state_name] = piece
             else:
                 converted[state_name] = _import_value(value, param)
@@ -654,7 +631,8 @@ def _export(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *,
     plain_source = optim.state_dict() if source is None else source
     if not _keyed_by_position(plain_source):
         # A named optimizer's (``_NamedOptimizer``): its names are the engine's parameters' only when shown.
-        return _export_shown(model, optim, source, optim_input=optim_input, **kwargs)
+        return _export_shown(model, optim, plain_source if _optimizer_like(optim) else source,
+                             optim_input=optim_input, **kwargs)
     source = translation.engine_source(plain_source) if translation.active else plain_source
     given = optim_input if optim_input is not None else getattr(optim, "param_groups", None)
     return _export_engine(model, optim, source, optim_input=_engine_input(given, translation),
@@ -668,10 +646,9 @@ def _keyed_by_position(source: Mapping[str, Any]) -> bool:
 def _export_shown(model: nn.Module, optim: Any, source: Mapping[str, Any] | None, *,
                   optim_input: OptimInput = None, **kwargs: Any) -> dict[str, Any]:
     """:func:`_export` for an optimizer whose ``state_dict()`` is keyed by its own names: taken with the
-    model and the optimizer shown in the engine's layout (``_optim_views.engine_layout``)."""
+    model and the optimizer shown in the engine's layout (``_optim_views.engine_layout``). ``source``:
+    ``None`` for a torch optimizer's own (taken again, shown); an optimizer-like object's is given (plain)."""
     wrapper = _optimizer_like(optim)
-    if wrapper and source is None:  # its state in the plain layout, before the engine's is shown
-        source = optim.state_dict()
     with _optim_views.engine_layout(model, optim, optim_input) as translation:
         if translation is not None and translation.active and source is not None:
             source = translation.engine_source(source)

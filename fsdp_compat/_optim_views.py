@@ -45,7 +45,7 @@ class Translation:
         index = {id(p): i for i, p in enumerate(self.params)}
         out: list[Any] = []
         for param in params:
-            pieces = self.pieces[index[id(param)]] if id(param) in index else _pieces_of(param)
+            pieces = self.pieces[index[id(param)]] if id(param) in index else _pieces_of(param, self.walk)
             out += [piece[1] for piece in pieces] if pieces is not None else [param]
         return out
 
@@ -201,14 +201,11 @@ def _zero_outside(flat: torch.Tensor, filled: list[tuple[int, int]]) -> None:
         flat[end:].zero_()
 
 
-def _pieces_of(param: Any, walk: _engine_flat.EngineParamWalk | None = None) -> list[Piece] | None:
+def _pieces_of(param: Any, walk: _engine_flat.EngineParamWalk) -> list[Piece] | None:
     flat = _engine_flat.flat_pieces(param)
     if flat is not None:
         return flat
-    if walk is not None:
-        sharded = walk.sharded_of(param)
-    else:
-        sharded = _engine_flat.sharded_of_view(param) if isinstance(param, nn.Parameter) else None
+    sharded = walk.sharded_of(param)
     return [(param, sharded, 0, param.numel())] if sharded is not None else None
 
 

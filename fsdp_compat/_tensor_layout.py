@@ -198,12 +198,6 @@ def _local_rows(like: DTensor, local: torch.Tensor) -> tuple[int, int] | None:
     return rank * math.ceil(like.shape[0] / like.device_mesh.size(shard_dim)), local.shape[0]
 
 
-def local_rows(like: DTensor) -> tuple[int, int] | None:
-    """``(first row, row count)`` of this rank's piece of ``like`` in the engine's layout; ``None`` if laid
-    out otherwise (or a 0-d tensor)."""
-    return _local_rows(like, local_tensor(like))
-
-
 def _local_box(like: DTensor, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global offset and shape of this rank's piece ``local`` of ``like``."""
     rows = _local_rows(like, local)

@@ -9,10 +9,18 @@ an mmengine-style ``OptimWrapper`` (an optimizer-like object that is not a ``tor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
+
+
+def stepped(optimizer: Optimizer, group: dict[str, Any]) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+    """Each parameter of ``group`` that has a gradient, with its state (empty before its first step)."""
+    for p in group["params"]:
+        if p.grad is not None:
+            yield p, optimizer.state[p]
 
 
 class Lion(Optimizer):
@@ -24,10 +32,7 @@ class Lion(Optimizer):
     def step(self, closure: Any = None) -> None:
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
+            for p, state in stepped(self, group):
                 if not state:
                     state["exp_avg"] = torch.zeros_like(p)
                 exp_avg = state["exp_avg"]
@@ -52,10 +57,7 @@ class Prodigy(Optimizer):
             group["d_numerator"].mul_(group["beta3"]).add_(group["d0"])  # in place, as prodigyopt's
             group["d"] = max(group["d"], float(group["d_numerator"]) * 0.1)
             group["k"] += 1
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
+            for p, state in stepped(self, group):
                 if not state:
                     state["step"] = 0
                     state["s"] = torch.zeros_like(p)
@@ -80,10 +82,7 @@ class AdaFactor(Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
+            for p, state in stepped(self, group):
                 grad = p.grad
                 factored = grad.dim() >= 2
                 if not state:
@@ -117,10 +116,7 @@ class SOAPLike(Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
+            for p, state in stepped(self, group):
                 if not state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p)
@@ -143,10 +139,7 @@ class Lamb(Optimizer):
     def step(self, closure: Any = None) -> None:
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
+            for p, state in stepped(self, group):
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p)
@@ -180,10 +173,7 @@ class ScheduleFreeAdamW(Optimizer):
             group["weight_sum"] = weight_sum = group["weight_sum"] + weight
             ckp1 = weight / weight_sum if weight_sum else 0.0
             group["scheduled_lr"] = lr
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
+            for p, state in stepped(self, group):
                 if not state:
                     state["z"] = p.detach().clone()
                     state["exp_avg_sq"] = torch.zeros_like(p)

@@ -42,6 +42,13 @@ def _unit(wrapper_class: type, module: nn.Module, use_orig_params: bool) -> nn.M
     return wrapper_class(module, use_orig_params=use_orig_params, **extra)
 
 
+def _full_on_every_rank(wrapper_class: type, model: nn.Module) -> Any:
+    """The FULL state-dict type, optimizer state on every rank."""
+    api = _api(wrapper_class)
+    return wrapper_class.state_dict_type(model, api.StateDictType.FULL_STATE_DICT,
+                                         optim_state_dict_config=api.FullOptimStateDictConfig(rank0_only=False))
+
+
 def fsdp1_per_rank(key: str, compute: Any) -> Any:
     """FSDP1's result for ``key`` on this rank (every rank's is recorded), or its golden record."""
     def everyones() -> list[Any]:
@@ -362,9 +369,7 @@ def _saved_order(wrapper_class: type) -> dict[str, list[str]]:
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(2, 4)).sum().backward()
     optim.step()
-    api = _api(wrapper_class)
-    with wrapper_class.state_dict_type(model, api.StateDictType.FULL_STATE_DICT,
-                                       optim_state_dict_config=api.FullOptimStateDictConfig(rank0_only=False)):
+    with _full_on_every_rank(wrapper_class, model):
         saved = wrapper_class.optim_state_dict(model, optim)
     return {"state": list(saved["state"]), "params": saved["param_groups"][0]["params"]}
 
@@ -392,9 +397,7 @@ def _named_optimizer_round_trip(wrapper_class: type) -> dict[str, Any]:
                             model, lr=1e-2)
     model(torch.ones(2, 4)).sum().backward()
     optim.step()
-    api = _api(wrapper_class)
-    with wrapper_class.state_dict_type(model, api.StateDictType.FULL_STATE_DICT,
-                                       optim_state_dict_config=api.FullOptimStateDictConfig(rank0_only=False)):
+    with _full_on_every_rank(wrapper_class, model):
         saved = wrapper_class.optim_state_dict(model, optim)
         converted = wrapper_class.optim_state_dict_to_load(model, optim, saved, is_named_optimizer=True)
         # FSDP1's _NamedOptimizer converts a dict itself in load_state_dict (it recognises torch's FSDP

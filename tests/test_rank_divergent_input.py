@@ -9,6 +9,7 @@ compared bit for bit before and after.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 from typing import Any
 
@@ -246,6 +247,48 @@ def _saved(model: nn.Module, optim: torch.optim.Optimizer, kind: str) -> dict[st
     return full_optim_state(model, optim)
 
 
+@dataclasses.dataclass
+class _BadLoad:
+    """A trained model and optimizer, what ``path`` saves (``good``), a copy corrupted as ``case`` (``bad``,
+    given on ``bad_rank``), what loading it must raise, and a snapshot of both before any load."""
+
+    model: nn.Module
+    optim: torch.optim.Optimizer
+    load: Any
+    good: dict[str, Any]
+    bad: dict[str, Any]
+    bad_rank: int
+    error_type: type[BaseException]
+    words: str
+    before: Any
+    state_dict_type: Any
+    optim_config: Any
+
+    @classmethod
+    def of(cls, case: str, path: str) -> _BadLoad:
+        model, optim = build(steps=2)
+        kind, bad_rank, load = LOAD_PATHS[path]
+        good = _saved(model, optim, kind)
+        bad = copy.deepcopy(good)
+        corrupt, error_type, words = CORRUPTIONS[case]
+        corrupt(bad)
+        return cls(model, optim, load, good, bad, bad_rank, error_type, words, snapshot(model, optim),
+                   *_settings(kind))
+
+    def settings(self) -> Any:
+        return FSDP.state_dict_type(self.model, self.state_dict_type, optim_state_dict_config=self.optim_config)
+
+    def convert(self, osd: dict[str, Any]) -> Any:
+        return self.load(self.model, self.optim, osd)
+
+    def resume(self) -> None:
+        """Load the good dict and train a step (the ranks are still in step)."""
+        with self.settings():
+            loadable = self.convert(self.good)
+        self.optim.load_state_dict(loadable)
+        diff.train(self.model, self.optim, 1)
+
+
 # The loads FSDP1 makes without communicating (a FULL load on every rank, shard_full_optim_state_dict):
 # each rank validates its own input, as FSDP1's, so a bad dict raises on its rank alone (issue 30).
 LOCAL_LOAD_PATHS = {"full", "shard_full"}
@@ -255,45 +298,28 @@ LOCAL_LOAD_PATHS = {"full", "shard_full"}
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
 @distributed_test(world_size=2, timeout=POOL_TIMEOUT)
 def test_bad_optimizer_state_on_one_rank_raises_everywhere_and_loads_nowhere(case, path):
-    model, optim = build(steps=2)
-    kind, bad_rank, load = LOAD_PATHS[path]
-    good = _saved(model, optim, kind)
-    bad = copy.deepcopy(good)
-    corrupt, error_type, words = CORRUPTIONS[case]
-    corrupt(bad)
-    before = snapshot(model, optim)
-    state_dict_type, optim_config = _settings(kind)
-    with FSDP.state_dict_type(model, state_dict_type, optim_state_dict_config=optim_config):
-        raises_everywhere(lambda: load(model, optim, on_rank(bad_rank, good, bad)), error_type, words, bad_rank)
-        assert_unchanged(before, model, optim)
-        loadable = load(model, optim, good)  # the ranks are still in step
-    optim.load_state_dict(loadable)
-    diff.train(model, optim, 1)
+    setup = _BadLoad.of(case, path)
+    with setup.settings():
+        raises_everywhere(lambda: setup.convert(on_rank(setup.bad_rank, setup.good, setup.bad)),
+                          setup.error_type, setup.words, setup.bad_rank)
+        assert_unchanged(setup.before, setup.model, setup.optim)
+    setup.resume()
 
 
 @pytest.mark.parametrize("path", sorted(LOCAL_LOAD_PATHS))
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
 @distributed_test(world_size=2, timeout=POOL_TIMEOUT)
 def test_bad_optimizer_state_on_one_rank_raises_there_alone_and_changes_nothing_there(case, path):
-    model, optim = build(steps=2)
-    kind, bad_rank, load = LOAD_PATHS[path]
-    good = _saved(model, optim, kind)
-    bad = copy.deepcopy(good)
-    corrupt, error_type, words = CORRUPTIONS[case]
-    corrupt(bad)
-    before = snapshot(model, optim)
-    state_dict_type, optim_config = _settings(kind)
-    with FSDP.state_dict_type(model, state_dict_type, optim_state_dict_config=optim_config):
-        if dist.get_rank() == bad_rank:
-            with pytest.raises(error_type) as raised:
-                load(model, optim, bad)
-            assert words in str(raised.value), str(raised.value)
+    setup = _BadLoad.of(case, path)
+    with setup.settings():
+        if dist.get_rank() == setup.bad_rank:
+            with pytest.raises(setup.error_type) as raised:
+                setup.convert(setup.bad)
+            assert setup.words in str(raised.value), str(raised.value)
         else:  # no collective: the good rank converts its dict, whatever the other's input
-            optim.load_state_dict(load(model, optim, good))  # (the values it had: nothing changes)
-        assert_unchanged(before, model, optim)
-        loadable = load(model, optim, good)
-    optim.load_state_dict(loadable)
-    diff.train(model, optim, 1)
+            setup.optim.load_state_dict(setup.convert(setup.good))  # (the values it had: nothing changes)
+        assert_unchanged(setup.before, setup.model, setup.optim)
+    setup.resume()
 
 
 @pytest.mark.parametrize("case", ["zero_dim_exp_avg", "none_exp_avg", "no_step", "no_exp_avg", "sgd_state_into_adamw"])
