@@ -801,15 +801,16 @@ def writeback(modules: Iterable[nn.Module]) -> None:
             shards.writeback()
 
 
-def engine_grads(modules: Iterable[nn.Module]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[int]]:
-    """The gradients of the units ``modules`` that show plain views (users' changes written back first), each
-    as ``(local tensor to read and scale, the engine's DTensor gradient giving its mesh and placements)``,
-    and the ids of the parameters those units show (views, flat parameters). Where every parameter of a
-    buffer has its gradient in the flat gradient, that one tensor stands for them all (its padding holds
-    zeros): one norm and one scaling per unit and dtype, as FSDP1's flat gradient, not one per parameter."""
+def engine_grads(modules: Iterable[tuple[nn.Module, bool]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[int]]:
+    """The gradients of the units ``modules`` (each with whether it is flat) that show plain views (users'
+    changes written back first), each as ``(local tensor to read and scale, the engine's DTensor gradient
+    giving its mesh and placements)``, and the ids of the parameters those units show (views, flat
+    parameters). In a flat unit, where every parameter of a buffer has its gradient in the flat gradient,
+    that one tensor stands for them all (its padding holds zeros): one norm and one scaling per unit and
+    dtype, as FSDP1's flat gradient; otherwise one per parameter, as FSDP1's ``use_orig_params=True``."""
     grads: list[tuple[torch.Tensor, torch.Tensor]] = []
     shown: set[int] = set()
-    for module in modules:
+    for module, flat_unit in modules:
         if (shards := local_shards(module)) is None:
             continue
         shards.follow()
@@ -817,8 +818,8 @@ def engine_grads(modules: Iterable[nn.Module]) -> tuple[list[tuple[torch.Tensor,
         shown.update(id(param) for param in (*shards.views(), *shards.flat_params))
         for index, flat in enumerate(shards.grad_flats):
             members = [(piece, piece.fsdp_param.sharded_param.grad) for piece in shards.pieces if piece.buffer == index]
-            if flat is not None and all(grad is not None and _in_flat(_local(grad), flat, piece)
-                                        for piece, grad in members):
+            if flat_unit and flat is not None and all(grad is not None and _in_flat(_local(grad), flat, piece)
+                                                      for piece, grad in members):
                 grads.append((flat, cast(torch.Tensor, members[0][1])))
             else:
                 grads += [(_local(grad), grad) for _, grad in members if grad is not None]

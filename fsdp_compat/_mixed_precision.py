@@ -108,8 +108,9 @@ def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, .
 
 @torch.no_grad()
 def _cast_buffers_for_computation(units: list[UnitState]) -> None:
-    """Cast each floating-point buffer, except ignored modules' (as FSDP1), to the ``buffer_dtype``
-    of the innermost unit holding it (``units`` is in pre-order: reversed, inner ones first)."""
+    """Cast each floating-point buffer, except ignored modules' (``buffer_ignored_modules``, as FSDP1),
+    to the ``buffer_dtype`` of the innermost unit holding it (``units`` is in pre-order: reversed, inner
+    ones first)."""
     visited: set[int] = set()
     for unit in reversed(units):
         dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
@@ -122,7 +123,7 @@ def _cast_buffers_for_computation(units: list[UnitState]) -> None:
 
 def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
     """Clean buffer FQN -> dtype that FULL / SHARDED state dicts restore (on a clone), as FSDP1:
-    buffers under a unit with ``buffer_dtype``, except ignored modules'."""
+    buffers under a unit with ``buffer_dtype``, except ignored modules' (``buffer_ignored_modules``)."""
     restored: dict[str, torch.dtype] = {}
     for path, unit in units_with_paths(root):
         if unit.mixed_precision is None or unit.mixed_precision.buffer_dtype is None:
@@ -136,7 +137,7 @@ def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
 
 
 def _ignored_buffer_ids(unit: UnitState) -> set[int]:
-    return {id(buffer) for module in unit.ignored_modules for buffer in module.buffers(recurse=False)}
+    return {id(buffer) for module in unit.buffer_ignored_modules for buffer in module.buffers(recurse=False)}
 
 
 def _install_low_precision_grad_hooks(unit: UnitState) -> None:

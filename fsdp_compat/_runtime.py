@@ -7,7 +7,7 @@ import contextlib
 import functools
 import math
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -155,6 +155,22 @@ def _total_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], norm_type: float
     return total if infinite else total ** (1.0 / norm_type)
 
 
+@torch.no_grad()
+def _clip_whole_gradients(params: Iterable[nn.Parameter], max_norm: float, norm_type: float) -> torch.Tensor:
+    """FSDP1's clipping where no unit shards (``NO_SHARD``, one rank: every gradient whole on every
+    rank): ``torch.nn.utils.clip_grad_norm_`` over ``parameters()``, in their order, on each gradient's
+    local tensor (a replicated ``DTensor``'s would make the total a ``DTensor``). Unlike the sharded
+    rule, the norms and the total are in the gradients' dtype and the coefficient is not rounded to
+    it: with BF16 gradients the results differ visibly (TinyGPT's losses 3e-3 apart after 20 clipped
+    steps, measured), so it is matched to the bit."""
+    grads = [_local(param.grad) for param in params if param.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:  # torch's multiply: one rounding per element, as its foreach kernel
+        grad.mul_(coefficient.to(grad.device))
+    return total
+
+
 def _check_clip_arguments(unit: UnitState, max_norm: Any, norm_type: Any) -> tuple[float, float]:
     if not unit.is_root:
         raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
@@ -169,10 +185,14 @@ def _check_clip_arguments(unit: UnitState, max_norm: Any, norm_type: Any) -> tup
 
 
 def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
-    """Clip all gradients in place by their total norm over every rank; return that norm. FSDP1's
-    coefficient ``min(max_norm / (total + 1e-6), 1)``, cast to each gradient's dtype (``clip_grads_with_norm_``
-    does not, so bf16 results differ, and refuses DTensor and plain gradients together), and FSDP1's
-    return dtype (FP32, with a warning, without gradients)."""
+    """Clip all gradients in place by their total norm over every rank; return that norm. FSDP1's two
+    rules: where no unit shards, ``torch.nn.utils.clip_grad_norm_`` (:func:`_clip_whole_gradients`);
+    otherwise its own: per-gradient FP32 norms (per flat gradient with ``use_orig_params=False``), their
+    ``norm_type`` powers all-reduced, the coefficient ``min(max_norm / (total + 1e-6), 1)`` cast to each
+    gradient's dtype (``clip_grads_with_norm_`` does not, so bf16 results would differ, and it refuses
+    DTensor and plain gradients together), and FSDP1's return dtype (FP32, with a warning, without
+    gradients). Each rank's elements are the engine's (each parameter's dim-0 chunk), not FSDP1's flat
+    chunk: the total differs from FSDP1's by float32 rounding (README, "Runtime controls")."""
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes. On a
     # 1-D mesh the ranks agree inside the norm's own all-reduce (FSDP1's one collective), else beforehand.
     subject, consequence = "The clip_grad_norm_() arguments", "no gradient was clipped on any rank"
@@ -191,7 +211,11 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
     # The engine's DTensor gradients (sharded ones are counted once per shard group); plain views and flat
     # parameters alias them, so clipping those clips these.
     units = units_in(unit.wrapper)
-    engine_grads, shown = _engine_flat.engine_grads(engine_unit.module for engine_unit in units)
+    engine_grads, shown = _engine_flat.engine_grads((each.module, not each.use_orig_params) for each in units)
+    if all(each.sharding_strategy == ShardingStrategy.NO_SHARD for each in units):
+        if agreement is not None:  # no all-reduce to carry the codes
+            raise_agreed(agreement_codes(error, groups), error, groups, subject, consequence)
+        return _clip_whole_gradients(unit.wrapper.parameters(), max_norm, norm_type)
     # Beside the engine's: the ignored parameters' gradients. With plain views everywhere those are all
     # (every other parameter is shown by its unit), read without walking the model's parameters.
     others = (unit.wrapper.parameters() if any(each.dtensor_params for each in units)

@@ -8,8 +8,8 @@ is FSDP1's: an ignored parameter is given as itself (detached, same storage), so
 in place changes that parameter. Buffers are given as FSDP1 gives them, for every type: the buffer itself
 (detached; the tensor under ``keep_vars``), so loading into the dict in place changes the buffers, as
 with FSDP1; the exception, also FSDP1's, is FULL and SHARDED under ``buffer_dtype``: every buffer of such
-a unit (ignored modules' excepted) is a copy in its original dtype. ``offload_to_cpu`` copies only what
-is not already on the CPU.
+a unit (ignored modules', nested units' included, excepted) is a copy in its original dtype.
+``offload_to_cpu`` copies only what is not already on the CPU.
 
 * FULL: plain full tensors (each unit gathered in one collective, in full precision).
   ``rank0_only``: other ranks get only ignored modules' parameters (as FSDP1).

@@ -68,6 +68,11 @@ class UnitState:
     optim_state_dict_config: OptimStateDictConfig = dataclasses.field(default_factory=FullOptimStateDictConfig)
     comm_hook: Callable[..., Any] | None = None
     comm_hook_state: object = None
+    # The modules whose buffers FSDP1 leaves alone in this unit (no ``buffer_dtype`` cast, the buffer
+    # itself in FULL / SHARDED state dicts): its ignored modules and, as FSDP1 collects them, those of
+    # the units nested in it. Set by the constructor; empty for a unit an auto-wrap policy made, since
+    # FSDP1 passes such units the ignored parameters only, not the modules.
+    buffer_ignored_modules: set[nn.Module] = dataclasses.field(default_factory=set)
     # Clean buffer name (relative to the unit) -> dtype at construction, before any buffer_dtype cast.
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
     buffers_cast_for_computation: bool = False  # the root's: done at its first forward

@@ -84,6 +84,9 @@ def _wrap_child(parent: UnitState, child: nn.Module, **kwargs: Any) -> FullyShar
         ignored_params = list(parent.ignored_params & set(child.parameters()))
         wrapper = FullyShardedDataParallel(child, ignored_states=ignored_params or None, **kwargs)
     wrapper._unit.device_mesh_given = parent.device_mesh_given
+    # FSDP1 gives its children the ignored parameters only: their buffers get the child's
+    # ``buffer_dtype`` and state-dict copies (the parent's own rule still skips them).
+    wrapper._unit.buffer_ignored_modules = set()
     return wrapper
 
 
@@ -187,8 +190,10 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
                 broadcast_from_rank0(module, state.device_mesh, ignored_modules, ignored_params)
 
             self._fsdp_wrapped_module = module
+            state.buffer_ignored_modules = set(ignored_modules)
             for nested in units_in(module):
                 nested.is_root = False
+                state.buffer_ignored_modules |= nested.buffer_ignored_modules
             # FSDP1 records these per unit, with clean names relative to the unit, before any cast.
             state.buffer_name_to_orig_dtype = {clean_name(name): buffer.dtype for name, buffer in self.named_buffers()}
             register_load_hooks(self)

@@ -39,8 +39,8 @@ def _build(wrapper_class, strategy: str = "FULL_SHARD", model: nn.Module | None 
         kwargs["auto_wrap_policy"] = (diff.block_policy_torch() if is_fsdp1
                                       else fsdp_compat.wrap.ModuleWrapPolicy({Block}))
     return wrapper_class(model if model is not None else diff.make_model(),
-                         sharding_strategy=fsdp_compat.ShardingStrategy[strategy], use_orig_params=True,
-                         **(diff.fsdp1_kwargs() if is_fsdp1 else {}), **kwargs)
+                         sharding_strategy=fsdp_compat.ShardingStrategy[strategy],
+                         **{"use_orig_params": True, **(diff.fsdp1_kwargs() if is_fsdp1 else {}), **kwargs})
 
 
 def _clip_after_backward(model: nn.Module, batch, norm_type: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -134,6 +134,59 @@ def test_ignored_parameters_and_empty_shards_are_counted_once(norm_type):
     diff.assert_close_dicts(grads, expected_grads, rtol=1e-6)
     diff.check_against_fsdp1(GOLDEN, f"skinny-{norm_type}", [total.item()],
                              lambda: [_skinny_clip(diff.TorchFSDP, norm_type)[0].item()], rtol=1e-6)
+
+
+# The total norm's distance from FSDP1's where units shard (README, "Runtime controls"): the same float32
+# rule, summed over other per-rank element sets (measured for TinyGPT's 2-norm: at most 2e-7 relative).
+SHARDED_NORM_RTOL = 1e-6
+BF16_CASES = {  # case: (strategy, use_orig_params, where bf16 comes in)
+    "NO_SHARD-bf16 model": ("NO_SHARD", True, "model"),
+    "NO_SHARD-mixed precision": ("NO_SHARD", True, "param_dtype"),
+    "NO_SHARD-low precision grads": ("NO_SHARD", False, "keep_low_precision_grads"),
+    "FULL_SHARD-mixed precision": ("FULL_SHARD", True, "param_dtype"),
+    "FULL_SHARD-low precision grads": ("FULL_SHARD", False, "keep_low_precision_grads"),
+}
+
+
+def _bf16_clipped_run(wrapper_class, case: str, steps: int = 4) -> dict[str, list[float]]:
+    """Total norms and global losses of ``steps`` SGD steps clipped to ``MAX_NORM`` (every step clips)."""
+    strategy, use_orig_params, bf16 = BF16_CASES[case]
+    api = diff.torch_fsdp if wrapper_class is diff.TorchFSDP else fsdp_compat
+    kwargs: dict = {"use_orig_params": use_orig_params}
+    if bf16 != "model":
+        kwargs["mixed_precision"] = api.MixedPrecision(param_dtype=torch.bfloat16,
+                                                       keep_low_precision_grads=bf16 == "keep_low_precision_grads")
+    model = _build(wrapper_class, strategy, model=diff.make_model().to(torch.bfloat16) if bf16 == "model" else None,
+                   **kwargs)
+    optimizer = diff.make_optimizer("sgd", model.parameters())
+    norms, losses = [], []
+    for step in range(steps):
+        loss = diff.loss_fn(model, *diff.local_batch(step))
+        loss.backward()
+        norms.append(model.clip_grad_norm_(MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(loss := loss.detach())
+        losses.append(loss.item())
+    assert min(norms) > MAX_NORM
+    return {"norms": norms, "losses": losses}
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+@distributed_test(world_size=2)
+def test_bf16_clipping_like_fsdp1(case):
+    """Where no unit shards (``NO_SHARD``, one rank), FSDP1 clips with ``torch.nn.utils.clip_grad_norm_``
+    (norms in the gradients' dtype, the coefficient unrounded): the same norms and losses, to the bit. Where
+    units shard, FSDP1's float32 rule: the norms within ``SHARDED_NORM_RTOL``, the losses of these steps too."""
+    diff.quiet()
+    ours = _bf16_clipped_run(FSDP, case)
+    expected = diff.fsdp1_value(GOLDEN, diff.golden_key("bf16-clipped", case),
+                                lambda: _bf16_clipped_run(diff.TorchFSDP, case))
+    if case.startswith("NO_SHARD"):
+        assert ours == expected
+        return
+    for what in ("norms", "losses"):
+        diff.assert_close_lists(ours[what], expected[what], rtol=SHARDED_NORM_RTOL, what=f"{case}: {what} vs FSDP1")
 
 
 def _dtypes(wrapper_class) -> dict[str, str]:

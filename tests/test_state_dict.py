@@ -406,6 +406,86 @@ def test_buffers_are_given_as_fsdp1_gives_them(state_dict_type):
     assert "detached, same storage" in str(ours) and "copy" in str(ours)  # both kinds compared
 
 
+class _Stats(nn.Module):
+    """A module to ignore: a parameter and a float buffer, used in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.register_buffer("run", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w.to(x.dtype) + self.run.to(x.dtype)
+
+
+class _Block(nn.Module):
+    """A unit with a buffer of its own and a :class:`_Stats` inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.stats = _Stats()
+        self.register_buffer("stat", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stats(self.lin(x)) + self.stat.to(x.dtype)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block0, self.block1, self.stats = _Block(), _Block(), _Stats()
+        self.head = nn.Linear(4, 2)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stats(self.block1(self.block0(x)))) * self.scale
+
+
+def _nested_ignored_buffer_values(wrapper_class, layout: str) -> dict[str, dict[str, str]]:
+    """Per state-dict type, how each buffer's value relates to the live buffer (whose dtype after the first
+    forward is given too) when ignored modules sit at two levels under ``buffer_dtype``: ``block0.stats`` is
+    ignored by a manually nested unit, or by the root whose policy then wraps ``block0``; ``stats`` by the root."""
+    torch.manual_seed(0)
+    kwargs: dict = {"mixed_precision": diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                      buffer_dtype=torch.bfloat16)}
+    if wrapper_class is diff.TorchFSDP:
+        kwargs.update(diff.fsdp1_kwargs())
+    net = _Net().to(diff.device())
+    if layout == "manual":
+        net.block0 = wrapper_class(net.block0, ignored_modules=[net.block0.stats], **kwargs)
+        net.block1 = wrapper_class(net.block1, **kwargs)
+        model = wrapper_class(net, ignored_modules=[net.stats], **kwargs)
+    else:
+        model = wrapper_class(net, ignored_modules=[net.stats, net.block0.stats],
+                              auto_wrap_policy=(diff.torch_wrap or fsdp_compat.wrap).ModuleWrapPolicy({_Block}),
+                              **kwargs)
+    model(torch.randn(2, 4, device=diff.device())).sum().backward()  # FSDP1 casts the buffers here
+    values = {}
+    for state_dict_type in (FULL, SHARDED, LOCAL):
+        with wrapper_class.state_dict_type(model, getattr(diff.torch_fsdp.StateDictType, state_dict_type.name)):
+            state = model.state_dict()
+        for name, buffer in model.named_buffers():
+            value = state[diff.clean_name(name)]
+            values.setdefault(diff.clean_name(name), {})[state_dict_type.name] = (
+                f"{buffer.dtype}: " + ("detached, same storage" if value.data_ptr() == buffer.data_ptr()
+                                       and value.dtype == buffer.dtype else f"copy, {value.dtype}"))
+    return values
+
+
+@pytest.mark.parametrize("layout", ["manual", "auto_wrap"])
+@distributed_test(world_size=2)
+def test_nested_units_ignored_buffers_are_given_as_fsdp1_gives_them(layout):
+    """FSDP1 leaves alone the buffers of every ignored module in a unit, nested units' included: not cast to
+    ``buffer_dtype``, the buffer itself in every state dict. Its auto-wrap policy passes the children only the
+    ignored parameters, so there a child casts and copies the buffers of the ignored modules inside it."""
+    diff.quiet()
+    ours = _nested_ignored_buffer_values(FSDP, layout)
+    expected = diff.fsdp1_value("state_dict_fsdp1", diff.golden_key("nested-ignored-buffer-values", layout),
+                                lambda: _nested_ignored_buffer_values(diff.TorchFSDP, layout))
+    assert ours == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # SHARDED and LOCAL
 # ---------------------------------------------------------------------------------------------
