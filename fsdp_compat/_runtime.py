@@ -193,6 +193,12 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
     DTensor and plain gradients together), and FSDP1's return dtype (FP32, with a warning, without
     gradients). Each rank's elements are the engine's (each parameter's dim-0 chunk), not FSDP1's flat
     chunk: the total differs from FSDP1's by float32 rounding (README, "Runtime controls")."""
+    units = units_in(unit.wrapper)
+    if all(each.sharding_strategy == ShardingStrategy.NO_SHARD for each in units):
+        # FSDP1 communicates nothing here (every gradient is whole on every rank): checked on this rank alone.
+        max_norm, norm_type = _check_clip_arguments(unit, max_norm, norm_type)
+        _engine_flat.writeback(each.module for each in units)
+        return _clip_whole_gradients(unit.wrapper.parameters(), max_norm, norm_type)
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes. On a
     # 1-D mesh the ranks agree inside the norm's own all-reduce (FSDP1's one collective), else beforehand.
     subject, consequence = "The clip_grad_norm_() arguments", "no gradient was clipped on any rank"
@@ -210,12 +216,7 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
         agreement = _Agreement(failure_code(error), groups[0])
     # The engine's DTensor gradients (sharded ones are counted once per shard group); plain views and flat
     # parameters alias them, so clipping those clips these.
-    units = units_in(unit.wrapper)
     engine_grads, shown = _engine_flat.engine_grads((each.module, not each.use_orig_params) for each in units)
-    if all(each.sharding_strategy == ShardingStrategy.NO_SHARD for each in units):
-        if agreement is not None:  # no all-reduce to carry the codes
-            raise_agreed(agreement_codes(error, groups), error, groups, subject, consequence)
-        return _clip_whole_gradients(unit.wrapper.parameters(), max_norm, norm_type)
     # Beside the engine's: the ignored parameters' gradients. With plain views everywhere those are all
     # (every other parameter is shown by its unit), read without walking the model's parameters.
     others = (unit.wrapper.parameters() if any(each.dtensor_params for each in units)

@@ -240,3 +240,25 @@ def test_bad_calls_raise_clear_errors(case):
         diff.loss_fn(theirs, *diff.local_batch(0)).backward()  # settles FSDP1's lazy root choice
         with pytest.raises(error):
             call(theirs)
+
+
+@distributed_test(world_size=2)
+def test_no_shard_clipping_communicates_nothing_so_one_rank_may_call_it_alone():
+    """Under ``NO_SHARD`` every gradient is whole on every rank and FSDP1 clips with
+    ``torch.nn.utils.clip_grad_norm_``, without a collective: rank 0 clips while rank 1 waits at a barrier
+    (a collective would time out), then rank 1; both get the norm and gradients of a call made together."""
+    import datetime
+
+    diff.quiet()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=10))
+    batch = diff.local_batch(0)
+    together = _build(FSDP, "NO_SHARD", process_group=group)
+    expected_total, expected_grads = _clip_after_backward(together, batch, 2.0)
+    model = _build(FSDP, "NO_SHARD", process_group=group)
+    diff.loss_fn(model, *batch).backward()
+    for turn in range(dist.get_world_size()):
+        if dist.get_rank() == turn:
+            total = model.clip_grad_norm_(MAX_NORM, 2.0)
+        dist.barrier()
+    assert torch.equal(total, expected_total)
+    diff.assert_close_dicts(diff.full_gradients(model), expected_grads, rtol=0, what="clipped rank by rank")
