@@ -289,13 +289,18 @@ def iteration_in_progress(module: nn.Module) -> bool:
                for s in context.all_states or [state])
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a forward now is activation-checkpoint
+    recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def recover_interrupted_iteration(module: nn.Module) -> bool:
     """If a forward or backward of the root unit ``module`` raised midway, reset the engine's
     per-iteration state and drop that iteration's unreduced gradients; return whether it did. Not
     while autograd runs: a root forward inside backward is activation-checkpoint recompute."""
     state = engine_state(module)
-    if (state is None or state._is_root is not True or torch._C._current_graph_task_id() != -1
-            or not iteration_in_progress(module)):
+    if state is None or state._is_root is not True or in_backward() or not iteration_in_progress(module):
         return False
     fsdp_params = [fsdp_param for unit_state in state._state_ctx.all_states
                    for group in unit_state._fsdp_param_groups for fsdp_param in group.fsdp_params]
