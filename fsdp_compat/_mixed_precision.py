@@ -31,11 +31,9 @@ _FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
 _LOW_PRECISION_GRAD_MARK = "_fsdp_compat_low_precision_grad_dtype"
 
 
-def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy:
+def engine_policy(mixed_precision: MixedPrecision) -> MixedPrecisionPolicy:
     """The engine's policy for FSDP1's ``MixedPrecision`` (defaults differ, so all passed; FSDP1's
     ``reduce_dtype=None`` means ``param_dtype``, the engine's only before torch 2.15)."""
-    if mixed_precision is None:
-        return MixedPrecisionPolicy(cast_forward_inputs=False)
     return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype,
                                 reduce_dtype=mixed_precision.reduce_dtype or mixed_precision.param_dtype,
                                 cast_forward_inputs=mixed_precision.cast_forward_inputs)
@@ -86,7 +84,7 @@ def init_unit(unit: UnitState) -> None:
     """Per-unit set-up after the engine is applied."""
     _install_low_precision_grad_hooks(unit)
     unit.full_precision_in_eval = os.environ.get(_FULL_PRECISION_IN_EVAL_ENV, "") == "1"
-    if unit.full_precision_in_eval and unit.mixed_precision is not None:
+    if unit.full_precision_in_eval and (unit.mixed_precision.param_dtype or unit.mixed_precision.reduce_dtype):
         _engine.follow_precision_at_each_unshard(unit.module, functools.partial(_forces_full_precision, unit))
 
 
@@ -94,7 +92,7 @@ def _forces_full_precision(unit: UnitState) -> bool:
     """FSDP1's ``_force_full_precision`` outside ``summon_full_params``: ``FSDP_USE_FULL_PREC_IN_EVAL=1``,
     the unit's module in eval mode, and its parameters computed or reduced in another dtype than their own."""
     policy = unit.mixed_precision
-    if not unit.full_precision_in_eval or policy is None or unit.module.training:
+    if not unit.full_precision_in_eval or unit.module.training:
         return False
     params = _engine.sharded_params(unit.module)
     if not params:  # FSDP1: no handle, nothing to force
@@ -119,7 +117,7 @@ def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, .
     if root.full_precision_in_eval and not recompute:
         _full_precision_in_eval(root, units)
     policy = root.mixed_precision
-    if (policy is None or policy.param_dtype is None or not policy.cast_root_forward_inputs
+    if (policy.param_dtype is None or not policy.cast_root_forward_inputs
             or (root.full_precision_in_eval and not root.wrapper.training)):
         return args, kwargs
     return _cast_floating_tensors((args, kwargs), policy.param_dtype)
@@ -158,7 +156,7 @@ def _cast_buffers_for_computation(units: list[UnitState]) -> None:
     of the innermost unit holding it (``units`` is in pre-order: reversed, inner ones first)."""
     visited: set[int] = set()
     for unit in reversed(units):
-        dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
+        dtype = unit.mixed_precision.buffer_dtype
         skip = visited | _ignored_buffer_ids(unit)  # a unit's buffers() are distinct
         for buffer in unit.wrapper.buffers():
             if dtype is not None and id(buffer) not in skip and buffer.is_floating_point():
@@ -171,7 +169,7 @@ def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
     buffers under a unit with ``buffer_dtype``, except ignored modules'."""
     restored: dict[str, torch.dtype] = {}
     for path, unit in units_with_paths(root):
-        if unit.mixed_precision is None or unit.mixed_precision.buffer_dtype is None:
+        if unit.mixed_precision.buffer_dtype is None:
             continue
         ignored = _ignored_buffer_ids(unit)
         ignored_names = {clean_name(name) for name, b in unit.wrapper.named_buffers() if id(b) in ignored}
@@ -189,7 +187,7 @@ def _install_low_precision_grad_hooks(unit: UnitState) -> None:
     """``keep_low_precision_grads``: a post-accumulate-grad hook casts ``.grad`` to ``param_dtype``
     after the engine writes it (a later backward adds in fp32 and rounds once, as FSDP1)."""
     policy = unit.mixed_precision
-    if policy is None or not policy.keep_low_precision_grads or policy.param_dtype is None:
+    if not policy.keep_low_precision_grads or policy.param_dtype is None:
         return
     for param in _engine.sharded_params(unit.module):
         if (not (param.requires_grad and param.is_floating_point())

@@ -40,7 +40,7 @@ class UnitState:
     wrapper: nn.Module  # the FullyShardedDataParallel instance: its tree's names carry the prefixes
     sharding_strategy: ShardingStrategy
     cpu_offload: CPUOffload
-    mixed_precision: MixedPrecision | None
+    mixed_precision: MixedPrecision  # FSDP1's: ``MixedPrecision()`` when none was given
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
