@@ -460,7 +460,8 @@ RECOMPUTE_LAYOUTS = {
 }
 
 
-def _checkpointed_model(kind: str, layout: str, reentrant: bool, strategy: str) -> nn.Module:
+def _checkpointed_model(kind: str, layout: str, reentrant: bool, strategy: str,
+                        use_orig_params: bool = True) -> nn.Module:
     diff.quiet()
     torch.manual_seed(0)
     blocks = [_Block().to(diff.device()) for _ in range(3)]
@@ -470,10 +471,11 @@ def _checkpointed_model(kind: str, layout: str, reentrant: bool, strategy: str) 
             return module
     elif kind == "fsdp1":
         def wrap(module: nn.Module) -> nn.Module:
-            return diff.TorchFSDP(module, use_orig_params=True, sharding_strategy=sharding, **diff.fsdp1_kwargs())
+            return diff.TorchFSDP(module, use_orig_params=use_orig_params, sharding_strategy=sharding,
+                                  **diff.fsdp1_kwargs())
     else:
         def wrap(module: nn.Module) -> nn.Module:
-            return FSDP(module, use_orig_params=True, sharding_strategy=sharding)
+            return FSDP(module, use_orig_params=use_orig_params, sharding_strategy=sharding)
     return RECOMPUTE_LAYOUTS[layout](wrap, lambda inner: _Checkpointed(inner, reentrant), blocks)
 
 
@@ -484,9 +486,9 @@ def _recompute_inputs(step: int, reentrant: bool) -> torch.Tensor:
     return torch.randn(4, 8, device=diff.device()).requires_grad_(reentrant)
 
 
-def _checkpointed_run(kind: str, layout: str, reentrant: bool, strategy: str) -> list[float]:
+def _checkpointed_run(kind: str, layout: str, reentrant: bool, use_orig_params: bool) -> list[float]:
     """The losses of 3 SGD steps, then each step's all-gather count."""
-    model = _checkpointed_model(kind, layout, reentrant, strategy)
+    model = _checkpointed_model(kind, layout, reentrant, "FULL_SHARD", use_orig_params)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, gathers = [], []
     for step in range(3):
@@ -501,18 +503,24 @@ def _checkpointed_run(kind: str, layout: str, reentrant: bool, strategy: str) ->
     return losses + gathers
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("layout", list(RECOMPUTE_LAYOUTS))
+# Every layout with FSDP1's plain views; the separate and nested roots also with flat parameters.
+RECOMPUTE_CASES = [(layout, reentrant, True) for layout in RECOMPUTE_LAYOUTS for reentrant in (False, True)]
+RECOMPUTE_CASES += [(layout, reentrant, False) for layout in ("roots_in_one_region", "nested_units_two_in_a_region")
+                    for reentrant in (False, True)]
+
+
+@pytest.mark.parametrize("layout,reentrant,use_orig_params", RECOMPUTE_CASES)
 @distributed_test(world_size=2)
-def test_activation_checkpoint_recompute_over_units_trains_as_fsdp1_without_more_all_gathers(layout, reentrant):
+def test_activation_checkpoint_recompute_over_units_trains_as_fsdp1_without_more_all_gathers(layout, reentrant,
+                                                                                            use_orig_params):
     """A checkpointed region recomputes every unit in it at the first backward step that needs it, before
     their own pre-backward: the modules must hold the unsharded parameters again (FSDP1's are there), and
     that must cost no all-gather FSDP1 does not make."""
-    ours = _checkpointed_run("ours", layout, reentrant, "FULL_SHARD")
-    reference = _checkpointed_run("ref", layout, reentrant, "FULL_SHARD")
+    ours = _checkpointed_run("ours", layout, reentrant, use_orig_params)
+    reference = _checkpointed_run("ref", layout, reentrant, use_orig_params)
     diff.assert_close_lists(ours[:3], reference[:3], rtol=1e-5, what=f"{layout} vs the unsharded model")
-    fsdp1 = diff.fsdp1_value(GOLDEN, diff.golden_key("recompute", layout, reentrant),
-                             lambda: _checkpointed_run("fsdp1", layout, reentrant, "FULL_SHARD"))
+    key = diff.golden_key("recompute", layout, reentrant, *(() if use_orig_params else ("flat",)))
+    fsdp1 = diff.fsdp1_value(GOLDEN, key, lambda: _checkpointed_run("fsdp1", layout, reentrant, use_orig_params))
     diff.assert_close_lists(ours[:3], fsdp1[:3], rtol=1e-5, what=f"{layout} vs torch FSDP1")
     assert all(mine <= theirs for mine, theirs in zip(ours[3:], fsdp1[3:])), \
         f"all-gathers per step: ours {ours[3:]}, FSDP1 {fsdp1[3:]}"
