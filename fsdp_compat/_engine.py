@@ -86,7 +86,7 @@ _require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetc
                  "set_force_sum_reduction_for_comms", "set_custom_reduce_scatter", "set_all_reduce_hook",
                  "_get_fsdp_state")
 _require_methods(FSDPParam, "reset_sharded_param")
-_require_methods(FSDPParamGroup, "_init_mp_dtypes")
+_require_methods(FSDPParamGroup, "_init_mp_dtypes", "unshard")
 
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
     from torch.distributed._shard.metadata import ShardMetadata
