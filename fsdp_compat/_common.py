@@ -14,8 +14,23 @@ CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
 CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
 
 
-class TrainingState(enum.Enum):
-    """What a wrapper is doing now; FSDP1 uses these to reject calls at the wrong moment."""
+class InteroperableEnum(enum.Enum):
+    """An enum whose members equal torch FSDP1's members of the same class and member name (ours outlive
+    FSDP1; code comparing a wrapper's attributes with torch's enums keeps working)."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, enum.Enum):
+            return type(other).__name__ == type(self).__name__ and other.name == self.name
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        # Enum hashes members by name; hashing the same way lets torch's members find ours in dicts.
+        return hash(self._name_)
+
+
+class TrainingState(InteroperableEnum):
+    """What a wrapper is doing now (FSDP1's ``training_state``, equal to its members); FSDP1 uses these to
+    reject calls at the wrong moment."""
 
     IDLE = enum.auto()
     FORWARD_BACKWARD = enum.auto()

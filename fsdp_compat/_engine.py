@@ -86,7 +86,7 @@ _require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetc
                  "set_force_sum_reduction_for_comms", "set_custom_reduce_scatter", "set_all_reduce_hook",
                  "_get_fsdp_state")
 _require_methods(FSDPParam, "reset_sharded_param")
-_require_methods(FSDPParamGroup, "_init_mp_dtypes")
+_require_methods(FSDPParamGroup, "_init_mp_dtypes", "unshard")
 
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
     from torch.distributed._shard.metadata import ShardMetadata
@@ -171,6 +171,74 @@ def _accumulate_in_compute_dtype(group: FSDPParamGroup) -> None:
                 p for p in wider if id(p) not in changed]
 
     group._init_mp_dtypes = init_mp_dtypes_then_compute_dtype_accumulation  # type: ignore[method-assign]
+
+
+# On an engine state: ``{full precision?: policy}``, the unit's own policy under ``False``.
+_PRECISION_POLICIES = "_fsdp_compat_precision_policies"
+# On an FSDPParam: ``{full precision?: (all-gather outputs, unsharded parameter or None, inner tensors)}``
+# for the precision it is not computing in now.
+_PRECISION_BUFFERS = "_fsdp_compat_precision_buffers"
+
+
+def computes_in_full_precision(module: nn.Module) -> bool:
+    """Whether the engine unit ``module`` gathers and computes in its parameters' own dtype although its
+    policy says otherwise (:func:`set_full_precision`)."""
+    state = engine_state(module)
+    policies = getattr(state, _PRECISION_POLICIES, None)
+    return policies is not None and state is not None and state._mp_policy is policies[True]
+
+
+def set_full_precision(module: nn.Module, full: bool) -> None:
+    """Make the engine unit ``module`` all-gather and compute in its parameters' own dtype (``full``), its
+    gradients reduced in it, its forward inputs not cast; or in its mixed-precision policy again. FSDP1's
+    ``FSDP_USE_FULL_PREC_IN_EVAL``: FSDP1 keeps a full-precision unsharded flat parameter beside the
+    low-precision one; so does this, per parameter: each precision keeps its own all-gather buffers and
+    unsharded parameter (the engine fixes them at its first all-gather). A unit holding the other
+    precision's unsharded parameters is resharded first (no communication: they are freed). Only between
+    iterations (the caller's concern)."""
+    state = engine_state(module)
+    if state is None or computes_in_full_precision(module) == full:
+        return
+    policies = getattr(state, _PRECISION_POLICIES, None)
+    if policies is None:
+        own = state._mp_policy
+        policies = {False: own, True: MixedPrecisionPolicy(output_dtype=own.output_dtype,
+                                                           cast_forward_inputs=own.cast_forward_inputs)}
+        setattr(state, _PRECISION_POLICIES, policies)
+    policy = policies[full]
+    for group in state._fsdp_param_groups:
+        if group.is_unsharded:
+            group.reshard()
+        for fsdp_param in group.fsdp_params:
+            stash = fsdp_param.__dict__.setdefault(_PRECISION_BUFFERS, {})
+            stash[not full] = (fsdp_param.all_gather_outputs, fsdp_param.__dict__.pop("_unsharded_param", None),
+                               fsdp_param._unsharded_inner_tensors)
+            outputs, unsharded, inner = stash.pop(full, ([], None, []))
+            fsdp_param.all_gather_outputs, fsdp_param._unsharded_inner_tensors = outputs, inner
+            if unsharded is not None:
+                fsdp_param._unsharded_param = unsharded
+            fsdp_param.mp_policy = policy
+        group.mp_policy = policy
+        group._init_mp_dtypes()  # each parameter's param_dtype / reduce_dtype, the group's from them
+    state._mp_policy = policy
+
+
+def follow_precision_at_each_unshard(module: nn.Module, wants_full: Callable[[], bool]) -> None:
+    """Before each all-gather of the engine unit ``module`` (its forward, a prefetch, its backward), the
+    precision ``wants_full()`` names (:func:`set_full_precision`), as FSDP1 decides at each unshard: a
+    backward after the module changed mode since its forward gathers in the forward's precision again,
+    into the buffers that forward's autograd graph holds."""
+    for group in param_groups(module):
+        unshard = group.unshard
+
+        @functools.wraps(unshard)
+        def unshard_in_precision(*args: Any, _group: FSDPParamGroup = group, _unshard: Any = unshard,
+                                 **kwargs: Any) -> Any:
+            if _group._all_gather_result is None:  # not prefetched already (in the precision of that time)
+                set_full_precision(module, wants_full())
+            return _unshard(*args, **kwargs)
+
+        group.unshard = unshard_in_precision  # type: ignore[method-assign]
 
 
 def engine_state(module: nn.Module | FSDPModule) -> FSDPState | None:
@@ -289,13 +357,18 @@ def iteration_in_progress(module: nn.Module) -> bool:
                for s in context.all_states or [state])
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a forward now is activation-checkpoint
+    recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def recover_interrupted_iteration(module: nn.Module) -> bool:
     """If a forward or backward of the root unit ``module`` raised midway, reset the engine's
     per-iteration state and drop that iteration's unreduced gradients; return whether it did. Not
     while autograd runs: a root forward inside backward is activation-checkpoint recompute."""
     state = engine_state(module)
-    if (state is None or state._is_root is not True or torch._C._current_graph_task_id() != -1
-            or not iteration_in_progress(module)):
+    if state is None or state._is_root is not True or in_backward() or not iteration_in_progress(module):
         return False
     fsdp_params = [fsdp_param for unit_state in state._state_ctx.all_states
                    for group in unit_state._fsdp_param_groups for fsdp_param in group.fsdp_params]

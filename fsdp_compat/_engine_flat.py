@@ -27,7 +27,7 @@ Torch-private names used here (``test_the_engine_still_has_the_storage_names_the
 ``_state_ctx.all_states``; ``FSDPParamGroup._partial_reduce_output``. Around forward and in ``no_sync``
 (issue 29): ``FSDPState._fsdp_param_groups``, ``_state_ctx.iter_forward_root``; ``FSDPParamGroup.is_unsharded``,
 ``reshard``; ``FSDPParam.unsharded_param``, ``_unsharded_param``, ``unsharded_accumulated_grad``,
-``_sharded_post_forward_param``, ``_param_fqn``; ``torch._C._current_graph_task_id``.
+``_sharded_post_forward_param``, ``_param_fqn``; ``torch._C._current_graph_task_id`` (``_engine.in_backward``).
 """
 
 from __future__ import annotations
@@ -272,8 +272,9 @@ class LocalShards:
 
     def show(self) -> None:
         """Register in the module slots what the user should see outside forward and backward: the views,
-        also of parameters the engine keeps unsharded for the backward to come (it re-registers those
-        before that backward: :func:`_writeback_before_backward`); in flat mode, the flat parameters on
+        also of parameters the engine keeps unsharded for the backward to come (those are registered
+        again before that backward and before its activation-checkpoint recompute: :meth:`show_unsharded`,
+        no communication); in flat mode, the flat parameters on
         the unit's module. Mid-iteration (an entry point called from a forward hook) only the sharded
         ones: the rest of that forward reads the unsharded parameters."""
         mid_iteration = _engine.iteration_in_progress(self.module)
@@ -284,6 +285,16 @@ class LocalShards:
             self._ensure_flat_params()
             for index, param in enumerate(self.flat_params):
                 self.module._parameters[_flat_name(index)] = param
+
+    def show_unsharded(self) -> None:
+        """The engine's unsharded parameters in the slots of the pieces it holds unsharded, where the
+        views were shown since the forward: what the unit's backward and its activation-checkpoint
+        recompute read (FSDP1 holds its unsharded views there then). No communication."""
+        for piece in self.pieces:
+            fsdp_param = piece.fsdp_param
+            if (fsdp_param.sharded_state == ShardedState.UNSHARDED
+                    and _slot_value(fsdp_param) is not fsdp_param.unsharded_param):
+                fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
 
     def hide(self) -> None:
         """The engine's DTensors in every slot showing a view; flat parameters unregistered."""
@@ -696,12 +707,7 @@ def _writeback_before_backward(state: _engine.FSDPState, shards: LocalShards) ->
         shards.follow()
         shards.writeback()
         result = pre_backward(*args, **kwargs)
-        # Parameters the engine kept unsharded since the forward show their views meanwhile; the
-        # backward (activation-checkpoint recompute) reads the module slots: the unsharded ones again.
-        for piece in shards.pieces:
-            fsdp_param = piece.fsdp_param
-            if fsdp_param.sharded_state == ShardedState.UNSHARDED:
-                fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
+        shards.show_unsharded()  # those the engine kept unsharded since the forward showed their views
         return result
 
     state._pre_backward = writeback_then_pre_backward  # type: ignore[method-assign]
@@ -711,11 +717,14 @@ def _views_between_iterations(state: _engine.FSDPState, module: nn.Module) -> No
     """Hooks on the engine unit ``module`` (idempotent) keeping FSDP1's parameters around each forward.
 
     After a root forward every unit shows its views again, also where the engine keeps a unit unsharded
-    for the backward (the root, ``SHARD_GRAD_OP``, ``NO_SHARD``); a forward without autograd (evaluation,
-    generation) has no backward to come, so those units are resharded at once. Before a root forward,
-    a unit the engine still holds unsharded from a forward whose backward never ran is resharded, so that
-    the forward all-gathers what the user wrote to the views meanwhile (an EMA swapped in, a schedule-free
-    ``eval()``): FSDP1 computes with its stale unsharded buffer there (pytorch#144289)."""
+    for the backward (the root, ``SHARD_GRAD_OP``, ``NO_SHARD``), with or without autograd: a forward
+    without autograd may be a reentrant activation checkpoint's first pass, whose backward recomputes it
+    from those unsharded parameters (FSDP1 and the engine keep them too; resharding them would cost an
+    all-gather FSDP1 does not make). Before a root forward, a unit the engine still holds unsharded from a
+    forward whose backward never ran is resharded, so that the forward all-gathers what the user wrote to
+    the views meanwhile (an EMA swapped in, a schedule-free ``eval()``): FSDP1 computes with its stale
+    unsharded buffer there (pytorch#144289). A forward inside backward (recompute) puts the unsharded
+    parameters back into the slots first (:meth:`LocalShards.show_unsharded`)."""
     if getattr(state, _ATTR + "_hooks", False):
         return
     setattr(state, _ATTR + "_hooks", True)
@@ -726,31 +735,31 @@ def _views_between_iterations(state: _engine.FSDPState, module: nn.Module) -> No
     def between_iterations() -> bool:
         """A root forward outside backward (not activation-checkpoint recompute), and outside our entry
         points (a forward inside ``summon_full_params`` runs on the full parameters registered there)."""
-        return state._state_ctx.iter_forward_root is None and not _in_backward() and not any(
+        return state._state_ctx.iter_forward_root is None and not _engine.in_backward() and not any(
             shards.engine_depth for each in all_states() if (shards := getattr(each, _ATTR, None)) is not None)
 
     @torch.compiler.disable
-    def reshard_stale(module: nn.Module, args: Any) -> None:
-        if between_iterations() and not _engine.iteration_in_progress(module):
+    def before_forward(module: nn.Module, args: Any) -> None:
+        if _engine.in_backward():
+            # Activation-checkpoint recompute, possibly before this unit's pre-backward (a checkpointed
+            # region holding several units, or roots, recomputes them all at once): the engine finds a
+            # unit it kept unsharded as it is (no all-gather), so its unsharded parameters go back into
+            # the slots the views took after the forward, as FSDP1's are there.
+            if (shards := getattr(state, _ATTR, None)) is not None:
+                shards.show_unsharded()
+        elif between_iterations() and not _engine.iteration_in_progress(module):
             _reshard_unsharded(all_states())
 
     @torch.compiler.disable
     def show_views(module: nn.Module, args: Any, output: Any) -> None:
         if not between_iterations():
             return
-        states = all_states()
-        if not torch.is_grad_enabled():
-            _reshard_unsharded(states)
-        for each in states:
+        for each in all_states():
             if (shards := getattr(each, _ATTR, None)) is not None:
                 shards.show()
 
-    module.register_forward_pre_hook(reshard_stale, prepend=True)
+    module.register_forward_pre_hook(before_forward, prepend=True)
     module.register_forward_hook(show_views)
-
-
-def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _reshard_unsharded(states: list[_engine.FSDPState]) -> None:

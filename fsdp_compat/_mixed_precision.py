@@ -2,7 +2,8 @@
 
 The engine does ``param_dtype``, ``reduce_dtype`` and ``cast_forward_inputs``; this module does the rest
 as FSDP1: ``cast_root_forward_inputs`` and ``buffer_dtype`` at the root's forward, ``keep_low_precision_grads``
-with post-accumulate-grad hooks, ``_module_classes_to_ignore`` as units of their own.
+with post-accumulate-grad hooks, ``_module_classes_to_ignore`` as units of their own, and
+``FSDP_USE_FULL_PREC_IN_EVAL=1`` by switching a unit's engine precision (``_engine.set_full_precision``).
 """
 
 from __future__ import annotations
@@ -18,23 +19,21 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from . import _engine
-from ._common import clean_name, warn_once
+from ._common import clean_name
 from ._unit_state import UnitState, units_with_paths
 from .api import CPUOffload, MixedPrecision
 
-# FSDP1's switch for full-precision eval forwards: the engine fixes a unit's compute dtype at its
-# first all-gather, so we can only warn that it is not honoured.
+# FSDP1's switch for full-precision evaluation: units with mixed precision whose module is in eval mode
+# gather, compute and reduce in their parameters' own dtype, with uncast inputs and buffers.
 _FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
 # The dtype a sharded parameter's gradients are kept in; an attribute of the parameter, like its
 # hooks, so a tensor swap removes both together.
 _LOW_PRECISION_GRAD_MARK = "_fsdp_compat_low_precision_grad_dtype"
 
 
-def engine_policy(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy:
+def engine_policy(mixed_precision: MixedPrecision) -> MixedPrecisionPolicy:
     """The engine's policy for FSDP1's ``MixedPrecision`` (defaults differ, so all passed; FSDP1's
     ``reduce_dtype=None`` means ``param_dtype``, the engine's only before torch 2.15)."""
-    if mixed_precision is None:
-        return MixedPrecisionPolicy(cast_forward_inputs=False)
     return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype,
                                 reduce_dtype=mixed_precision.reduce_dtype or mixed_precision.param_dtype,
                                 cast_forward_inputs=mixed_precision.cast_forward_inputs)
@@ -84,26 +83,71 @@ def _cast_outputs_to_input_dtype(module: nn.Module, args: Any, output: Any) -> A
 def init_unit(unit: UnitState) -> None:
     """Per-unit set-up after the engine is applied."""
     _install_low_precision_grad_hooks(unit)
-    if os.environ.get(_FULL_PRECISION_IN_EVAL_ENV) == "1" and unit.mixed_precision is not None:
-        warn_once(_FULL_PRECISION_IN_EVAL_ENV, f"{_FULL_PRECISION_IN_EVAL_ENV}=1 is not honoured: "
-                  "eval-mode forwards run in MixedPrecision.param_dtype like training ones "
-                  "(see README, 'Mixed precision and CPU offload').")
+    unit.full_precision_in_eval = os.environ.get(_FULL_PRECISION_IN_EVAL_ENV, "") == "1"
+    if unit.full_precision_in_eval and (unit.mixed_precision.param_dtype or unit.mixed_precision.reduce_dtype):
+        _engine.follow_precision_at_each_unshard(unit.module, functools.partial(_forces_full_precision, unit))
 
 
-def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _forces_full_precision(unit: UnitState) -> bool:
+    """FSDP1's ``_force_full_precision`` outside ``summon_full_params``: ``FSDP_USE_FULL_PREC_IN_EVAL=1``,
+    the unit's module in eval mode, and its parameters computed or reduced in another dtype than their own."""
+    policy = unit.mixed_precision
+    if not unit.full_precision_in_eval or unit.module.training:
+        return False
+    params = _engine.sharded_params(unit.module)
+    if not params:  # FSDP1: no handle, nothing to force
+        return False
+    own = params[0].dtype
+    compute = policy.param_dtype or own
+    return compute != own or (policy.reduce_dtype or compute) != own
+
+
+def root_pre_forward(root: UnitState, units: list[UnitState], args: tuple[Any, ...], kwargs: dict[str, Any],
+                     recompute: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """FSDP1's root before each forward: the first time, cast the buffers (its lazy init); every
     time, re-install low-precision-gradient hooks where missing (``module.to()`` and the flat-
-    parameter upcast swap parameters' contents, taking the hooks) and cast the root's inputs."""
+    parameter upcast swap parameters' contents, taking the hooks), switch each unit to full precision
+    or back (``FSDP_USE_FULL_PREC_IN_EVAL=1``; not in an activation-checkpoint ``recompute``, which
+    repeats its forward's precision) and cast the root's inputs."""
     if not root.buffers_cast_for_computation:
         _cast_buffers_for_computation(units)
         root.buffers_cast_for_computation = True
     for unit in units:
         _install_low_precision_grad_hooks(unit)
+    if root.full_precision_in_eval and not recompute:
+        _full_precision_in_eval(root, units)
     policy = root.mixed_precision
-    if policy is None or policy.param_dtype is None or not policy.cast_root_forward_inputs:
+    if (policy.param_dtype is None or not policy.cast_root_forward_inputs
+            or (root.full_precision_in_eval and not root.wrapper.training)):
         return args, kwargs
     return _cast_floating_tensors((args, kwargs), policy.param_dtype)
+
+
+def _full_precision_in_eval(root: UnitState, units: list[UnitState]) -> None:
+    """FSDP1's ``FSDP_USE_FULL_PREC_IN_EVAL=1`` at the root's forward: each unit it forces (module in eval
+    mode, mixed precision) gathers, computes and reduces in its parameters' dtype, without casting its
+    inputs; the others, and all once back in training, in their policy. When the root unit is forced
+    (without parameters of its own: any unit), every buffer is cast to its dtype at construction,
+    and back to the computation dtypes at the first forward that is not."""
+    forced = {id(unit) for unit in units if _forces_full_precision(unit)}
+    for unit in units:
+        if unit.full_precision_in_eval:
+            _engine.set_full_precision(unit.module, id(unit) in forced)
+    root_forced = id(root) in forced if _engine.sharded_params(root.module) else bool(forced)
+    if root_forced:
+        _cast_buffers_to_original_dtypes(root)
+        root.buffers_in_full_precision = True
+    elif root.buffers_in_full_precision:
+        _cast_buffers_for_computation(units)
+        root.buffers_in_full_precision = False
+
+
+@torch.no_grad()
+def _cast_buffers_to_original_dtypes(root: UnitState) -> None:
+    for name, buffer in root.wrapper.named_buffers():
+        dtype = root.buffer_name_to_orig_dtype.get(clean_name(name))
+        if dtype is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+            buffer.data = buffer.to(dtype)
 
 
 @torch.no_grad()
@@ -113,7 +157,7 @@ def _cast_buffers_for_computation(units: list[UnitState]) -> None:
     ones first)."""
     visited: set[int] = set()
     for unit in reversed(units):
-        dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
+        dtype = unit.mixed_precision.buffer_dtype
         skip = visited | _ignored_buffer_ids(unit)  # a unit's buffers() are distinct
         for buffer in unit.wrapper.buffers():
             if dtype is not None and id(buffer) not in skip and buffer.is_floating_point():
@@ -126,7 +170,7 @@ def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
     buffers under a unit with ``buffer_dtype``, except ignored modules' (``buffer_ignored_modules``)."""
     restored: dict[str, torch.dtype] = {}
     for path, unit in units_with_paths(root):
-        if unit.mixed_precision is None or unit.mixed_precision.buffer_dtype is None:
+        if unit.mixed_precision.buffer_dtype is None:
             continue
         ignored = _ignored_buffer_ids(unit)
         ignored_names = {clean_name(name) for name, b in unit.wrapper.named_buffers() if id(b) in ignored}
@@ -144,7 +188,7 @@ def _install_low_precision_grad_hooks(unit: UnitState) -> None:
     """``keep_low_precision_grads``: a post-accumulate-grad hook casts ``.grad`` to ``param_dtype``
     after the engine writes it (a later backward adds in fp32 and rounds once, as FSDP1)."""
     policy = unit.mixed_precision
-    if policy is None or not policy.keep_low_precision_grads or policy.param_dtype is None:
+    if not policy.keep_low_precision_grads or policy.param_dtype is None:
         return
     for param in _engine.sharded_params(unit.module):
         if (not (param.requires_grad and param.is_floating_point())

@@ -43,6 +43,10 @@ def pre_forward(unit: UnitState, args: tuple[Any, ...],
 def root_pre_forward(root: UnitState, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     units = units_in(root.wrapper)  # walked once per step, shared by the steps below
+    if _engine.in_backward():
+        # Activation-checkpoint recompute of the root's forward: as in FSDP1, only the inputs are cast
+        # again; the writeback, recovery and prefetch set-up belong to the forward it repeats.
+        return _mixed_precision.root_pre_forward(root, units, args, kwargs, recompute=True)
     _engine_flat.writeback(unit.module for unit in units)  # users' edits on plain views reach the engine
     # FSDP1 runs a forward inside summon_full_params, but reshards the parameters under the open
     # context and trains wrongly afterwards; a clear error is better.

@@ -40,7 +40,7 @@ class UnitState:
     wrapper: nn.Module  # the FullyShardedDataParallel instance: its tree's names carry the prefixes
     sharding_strategy: ShardingStrategy
     cpu_offload: CPUOffload
-    mixed_precision: MixedPrecision | None
+    mixed_precision: MixedPrecision  # FSDP1's: ``MixedPrecision()`` when none was given
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
@@ -76,6 +76,10 @@ class UnitState:
     # Clean buffer name (relative to the unit) -> dtype at construction, before any buffer_dtype cast.
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
     buffers_cast_for_computation: bool = False  # the root's: done at its first forward
+    # FSDP1's ``FSDP_USE_FULL_PREC_IN_EVAL=1``, read at construction as FSDP1 does: a unit with mixed
+    # precision computes in full precision while its module is in eval mode (``_mixed_precision``).
+    full_precision_in_eval: bool = False
+    buffers_in_full_precision: bool = False  # the root's: cast to their original dtypes for such a forward
     handle_view: Any = None  # FSDP1's ``_flat_param``/``_handle`` stand-in (``_flat_param_view``), made on first use
     exec_order_data: ExecOrderData = dataclasses.field(default_factory=ExecOrderData)  # FSDP1's prefetch limits
 

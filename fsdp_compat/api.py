@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._common import InteroperableEnum
 from ._engine import BatchNormBase
 
 __all__ = ["ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType", "StateDictConfig",
@@ -19,20 +20,23 @@ __all__ = ["ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload
            "OptimStateKeyType"]
 
 
-class _InteroperableEnum(Enum):
-    """An enum whose members equal torch FSDP1's members of the same class and member name."""
+class _InteroperableConfig:
+    """A config dataclass equal to torch FSDP1's equally named one with equal fields (as our enums equal
+    torch's members): ``model.mixed_precision == torch's MixedPrecision(...)`` holds as with FSDP1,
+    whichever package's object the wrapper was given."""
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Enum):
-            return type(other).__name__ == type(self).__name__ and other.name == self.name
-        return NotImplemented
+        if not (dataclasses.is_dataclass(other) and not isinstance(other, type)
+                and type(other).__name__ == type(self).__name__):
+            return NotImplemented
+        missing = object()
+        return all(getattr(self, field.name) == getattr(other, field.name, missing)
+                   for field in dataclasses.fields(self))  # type: ignore[arg-type]
 
-    def __hash__(self) -> int:
-        # Enum hashes members by name; hashing the same way lets torch's members find ours in dicts.
-        return hash(self._name_)
+    __hash__ = None  # type: ignore[assignment]  # mutable, as FSDP1's (a dataclass with eq)
 
 
-class ShardingStrategy(_InteroperableEnum):
+class ShardingStrategy(InteroperableEnum):
     """How parameters, gradients and optimizer state are sharded; ``HYBRID_SHARD`` and
     ``_HYBRID_SHARD_ZERO2`` shard inside a node and replicate across nodes (see FSDP1's docs)."""
 
@@ -43,14 +47,14 @@ class ShardingStrategy(_InteroperableEnum):
     _HYBRID_SHARD_ZERO2 = auto()
 
 
-class BackwardPrefetch(_InteroperableEnum):
+class BackwardPrefetch(InteroperableEnum):
     """When the next unit's parameters are all-gathered in backward."""
 
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
 
 
-class StateDictType(_InteroperableEnum):
+class StateDictType(InteroperableEnum):
     """Which of the three state-dict formats ``state_dict()`` produces."""
 
     FULL_STATE_DICT = auto()
@@ -58,15 +62,15 @@ class StateDictType(_InteroperableEnum):
     SHARDED_STATE_DICT = auto()
 
 
-class OptimStateKeyType(_InteroperableEnum):
+class OptimStateKeyType(InteroperableEnum):
     """Key type of an optimizer state dict's ``state``: parameter names or integer ids."""
 
     PARAM_NAME = auto()
     PARAM_ID = auto()
 
 
-@dataclass
-class MixedPrecision:
+@dataclass(eq=False)
+class MixedPrecision(_InteroperableConfig):
     """Mixed-precision settings, with FSDP1's fields and defaults."""
 
     param_dtype: torch.dtype | None = None
@@ -78,69 +82,69 @@ class MixedPrecision:
     _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (BatchNormBase,)
 
 
-@dataclass
-class CPUOffload:
+@dataclass(eq=False)
+class CPUOffload(_InteroperableConfig):
     """``offload_params=True`` keeps sharded parameters and gradients on the CPU between steps."""
 
     offload_params: bool = False
 
 
-@dataclass
-class StateDictConfig:
+@dataclass(eq=False)
+class StateDictConfig(_InteroperableConfig):
     """Base class of the model state-dict configs."""
 
     offload_to_cpu: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class FullStateDictConfig(StateDictConfig):
     """FULL_STATE_DICT settings; ``rank0_only=True`` gives other ranks an empty dict."""
 
     rank0_only: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class LocalStateDictConfig(StateDictConfig):
     """LOCAL_STATE_DICT settings."""
 
 
-@dataclass
+@dataclass(eq=False)
 class ShardedStateDictConfig(StateDictConfig):
     """SHARDED_STATE_DICT settings. ``_use_dtensor`` is accepted; values are always DTensors."""
 
     _use_dtensor: bool = False
 
 
-@dataclass
-class OptimStateDictConfig:
+@dataclass(eq=False)
+class OptimStateDictConfig(_InteroperableConfig):
     """Base class of the optimizer state-dict configs."""
 
     offload_to_cpu: bool = True
 
 
-@dataclass
+@dataclass(eq=False)
 class FullOptimStateDictConfig(OptimStateDictConfig):
     """Full optimizer state; ``rank0_only=True`` gives other ranks an empty dict."""
 
     rank0_only: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class LocalOptimStateDictConfig(OptimStateDictConfig):
     """Local optimizer state settings."""
 
     offload_to_cpu: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
     """Sharded optimizer state settings. ``_use_dtensor`` is accepted; values are DTensors."""
 
     _use_dtensor: bool = False
 
 
-@dataclass
-class StateDictSettings:
+@dataclass(eq=False)
+class StateDictSettings(_InteroperableConfig):
     """What ``get_state_dict_type`` / ``set_state_dict_type`` report."""
 
     state_dict_type: StateDictType

@@ -148,6 +148,8 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
             cpu_offload = CPUOffload() if cpu_offload is None else coerce_config(cpu_offload, CPUOffload, "cpu_offload")
             if mixed_precision is not None:
                 mixed_precision = coerce_config(mixed_precision, MixedPrecision, "mixed_precision")
+            # FSDP1's attribute without mixed precision: ``MixedPrecision()`` (the argument decides the
+            # auto-wrap overrides below, as in FSDP1).
             if backward_prefetch is not None:
                 backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
             _warn_about_moot_options(bool(limit_all_gathers), backward_prefetch)
@@ -160,7 +162,8 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
             # strategies) replicates: FSDP1 switches to NO_SHARD, whatever the world size.
             requested, strategy = strategy, ShardingStrategy.NO_SHARD if mesh.size(mesh.ndim - 1) == 1 else strategy
             self.__dict__[STATE_ATTR] = state = UnitState(
-                wrapper=self, sharding_strategy=strategy, cpu_offload=cpu_offload, mixed_precision=mixed_precision,
+                wrapper=self, sharding_strategy=strategy, cpu_offload=cpu_offload,
+                mixed_precision=mixed_precision if mixed_precision is not None else MixedPrecision(),
                 backward_prefetch=backward_prefetch, forward_prefetch=bool(forward_prefetch),
                 limit_all_gathers=bool(limit_all_gathers), use_orig_params=bool(use_orig_params),
                 dtensor_params=DTENSOR_PARAMS if dtensor_params is None else bool(dtensor_params),

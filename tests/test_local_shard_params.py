@@ -494,6 +494,11 @@ def test_the_engine_still_has_the_storage_names_the_views_rely_on():
     assert callable(getattr(torch._C, "_current_graph_task_id", None))
     # Adopting the reduce-scatter output as the flat gradient is unsafe while the engine keeps it.
     assert all(hasattr(group, "_partial_reduce_output") for group in _engine.param_groups(model.module))
+    # FSDP_USE_FULL_PREC_IN_EVAL switches a unit's precision with its own buffers per precision.
+    assert all(hasattr(fsdp_param, name) for name in ("all_gather_outputs", "_unsharded_inner_tensors", "mp_policy"))
+    assert all(hasattr(group, "mp_policy") and hasattr(group, "_all_gather_result") and callable(group.unshard)
+               for group in _engine.param_groups(model.module))
+    assert hasattr(state, "_mp_policy")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -24,6 +24,7 @@ import functools
 import itertools
 import os
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -407,14 +408,28 @@ def tensor_dtypes(value) -> list[str]:
     return []
 
 
-def record_input_dtypes(ours: bool, cast_forward_inputs: bool, cast_root_forward_inputs: bool) -> dict:
+@contextlib.contextmanager
+def full_precision_in_eval() -> Iterator[None]:
+    """``FSDP_USE_FULL_PREC_IN_EVAL=1`` while wrappers are built (FSDP1 reads it at construction)."""
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+
+
+def record_input_dtypes(ours: bool, cast_forward_inputs: bool, cast_root_forward_inputs: bool,
+                        evaluating_in_full_precision: bool = False) -> dict:
     torch.manual_seed(0)
     model = Outer().to(diff.device())
     policy = api(ours).MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=cast_forward_inputs,
                                       cast_root_forward_inputs=cast_root_forward_inputs)
     wrap_policy = (fsdp_compat.wrap if ours else diff.torch_wrap).ModuleWrapPolicy({Inner})
-    wrapped = (FSDP if ours else diff.TorchFSDP)(model, mixed_precision=policy,
-                                                 auto_wrap_policy=wrap_policy, **wrapper_kwargs(ours))
+    with full_precision_in_eval() if evaluating_in_full_precision else contextlib.nullcontext():
+        wrapped = (FSDP if ours else diff.TorchFSDP)(model, mixed_precision=policy,
+                                                     auto_wrap_policy=wrap_policy, **wrapper_kwargs(ours))
+    if evaluating_in_full_precision:
+        wrapped.eval()
     seen: dict[str, list[str]] = {}
     for name, module in (("root", model), ("inner", model.inner.module)):
         module.register_forward_pre_hook(
@@ -687,14 +702,109 @@ def test_flat_param_view_errors_and_values():
         wrapped._handle._orig_param_dtype = torch.float64
 
 
+# ---------------------------------------------------------------------------------------------
+# FSDP_USE_FULL_PREC_IN_EVAL=1: modules in eval mode compute in full precision
+# ---------------------------------------------------------------------------------------------
+
+
+def _square_sum(logits: torch.Tensor) -> float:
+    return global_mean(logits.detach().float().square().sum())
+
+
+def _unsharded_logits(wrapped: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The fp32 unsharded model with ``wrapped``'s current weights, evaluated on ``tokens``."""
+    reference = diff.make_model()
+    reference.load_state_dict(diff.full_parameters(wrapped), strict=False)  # buffers: as constructed
+    reference.eval()
+    with torch.no_grad():
+        return reference(tokens)
+
+
+def _distinct(seen: dict[str, list[str]]) -> list[list[str]]:
+    """The distinct ``[weight dtype, input dtype]`` pairs the layers saw."""
+    return sorted(map(list, {tuple(pair) for pair in seen.values()}))
+
+
+def full_precision_in_eval_run(ours: bool, strategy: str, use_orig_params: bool) -> dict:
+    """Under ``FSDP_USE_FULL_PREC_IN_EVAL=1`` with bf16 parameters and buffers: before each of two
+    training steps an evaluation (``eval()``, ``no_grad``); in the second step one more between the
+    forward and its backward. The dtypes each forward sees (parameters and inputs of every layer, the
+    root's buffer), the evaluations' output dtypes and values, the training losses. Ours: each
+    evaluation equals the fp32 unsharded model with the current weights."""
+    model = diff.make_model()
+    seen = observe_forward_dtypes(model)
+    buffer_dtypes: list[str] = []
+    model.register_forward_pre_hook(lambda module, args: buffer_dtypes.append(str(module.logit_scale.dtype)))
+    with full_precision_in_eval():
+        wrapped = (FSDP if ours else diff.TorchFSDP)(
+            model, auto_wrap_policy=diff.block_policy_torch(), use_orig_params=use_orig_params,
+            mixed_precision=api(ours).MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16),
+            **wrapper_kwargs(ours, strategy))
+    optimizer = diff.make_optimizer("adamw", wrapped.parameters())
+    record: dict = {"evaluations": [], "losses": [], "eval_seen": [], "train_seen": [], "buffers": []}
+
+    def evaluate(tokens: torch.Tensor) -> None:
+        wrapped.eval()
+        with torch.no_grad():
+            logits = wrapped(tokens)
+        wrapped.train()
+        record["evaluations"].append([str(logits.dtype), _square_sum(logits)])
+        record["eval_seen"].append(_distinct(seen))
+        record["buffers"].append(buffer_dtypes[-1])
+        if ours:
+            assert diff.relative_error(logits, _unsharded_logits(wrapped, tokens)) < 1e-5
+
+    for step in range(2):
+        evaluate(diff.local_batch(100 + step)[0])
+        loss = diff.loss_fn(wrapped, *diff.local_batch(step))
+        record["train_seen"].append(_distinct(seen))
+        record["buffers"].append(buffer_dtypes[-1])
+        if step == 1:
+            evaluate(diff.local_batch(200)[0])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        record["losses"].append(global_mean(loss))
+    return record
+
+
+@pytest.mark.parametrize("strategy,use_orig_params", [("FULL_SHARD", True), ("FULL_SHARD", False),
+                                                      ("SHARD_GRAD_OP", True), ("NO_SHARD", True)])
 @distributed_test(world_size=2)
-def test_full_precision_in_eval_is_reported():
-    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
-    try:
-        with pytest.warns(UserWarning, match="not honoured"):
-            FSDP(diff.make_model(), mixed_precision=fsdp_compat.MixedPrecision(param_dtype=torch.bfloat16))
-    finally:
-        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+def test_full_precision_in_eval_evaluates_in_full_precision_and_trains_in_mixed(strategy, use_orig_params):
+    """FSDP1's ``FSDP_USE_FULL_PREC_IN_EVAL=1``: in eval mode, full-precision parameters and buffers (the
+    fp32 model's outputs); in training, bf16 as before, the same losses as FSDP1. FSDP1 evaluates a
+    sharded strategy's root on the full-precision parameters of its first evaluation ever after (it
+    never frees that copy): there ours matches the fp32 model instead (README, "Mixed precision")."""
+    diff.quiet()
+    ours = full_precision_in_eval_run(True, strategy, use_orig_params)
+    expected = fsdp1_or_golden(f"full-precision-in-eval-{strategy}-orig{int(use_orig_params)}",
+                               lambda: full_precision_in_eval_run(False, strategy, use_orig_params))
+    # Every layer's weight and floating-point input in fp32 in evaluation, in bf16 in training.
+    assert ours["eval_seen"] == [[["torch.float32", "torch.float32"], ["torch.float32", "torch.int64"]]] * 3
+    assert ours["train_seen"] == [[["torch.bfloat16", "torch.bfloat16"], ["torch.bfloat16", "torch.int64"]]] * 2
+    assert ours["eval_seen"] == expected["eval_seen"] and ours["train_seen"] == expected["train_seen"]
+    assert ours["buffers"] == expected["buffers"]
+    assert ours["buffers"] == ["torch.float32", "torch.bfloat16", "torch.float32", "torch.bfloat16", "torch.float32"]
+    assert [dtype for dtype, _ in ours["evaluations"]] == ["torch.float32"] * 3
+    assert_losses_close(ours["losses"], expected["losses"], torch.bfloat16, "training losses")
+    fsdp1_right = 1 if strategy != "NO_SHARD" else 3  # FSDP1's stale full-precision root (docstring)
+    diff.assert_close_lists([value for _, value in ours["evaluations"][:fsdp1_right]],
+                            [value for _, value in expected["evaluations"][:fsdp1_right]], rtol=1e-5,
+                            what="evaluations vs FSDP1")
+
+
+@pytest.mark.parametrize("cast_forward_inputs,cast_root_forward_inputs", [(True, True), (True, False)])
+@distributed_test(world_size=2)
+def test_full_precision_in_eval_leaves_forward_inputs_uncast(cast_forward_inputs, cast_root_forward_inputs):
+    diff.quiet()
+    ours = record_input_dtypes(True, cast_forward_inputs, cast_root_forward_inputs, evaluating_in_full_precision=True)
+    name = f"input-dtypes-full-precision-in-eval-{int(cast_forward_inputs)}{int(cast_root_forward_inputs)}"
+    assert ours == fsdp1_or_golden(name, lambda: record_input_dtypes(False, cast_forward_inputs,
+                                                                     cast_root_forward_inputs, True))
+    assert ours["root"] == ["torch.float32", "torch.float32", "torch.float64", "torch.float64", "torch.float16",
+                            "torch.int64"]
+    assert ours["inner"][0] == "torch.float32"
 
 
 def summoned_dtypes(ours: bool) -> list[list[str]]:

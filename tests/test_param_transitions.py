@@ -11,12 +11,14 @@ wrote to its shards meanwhile), ours must equal the unsharded model (README, "Wh
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat.testing import distributed_test
@@ -420,3 +422,150 @@ def _checkpointed_losses(kind: str, strategy: str) -> list[float]:
 def test_activation_checkpoint_recompute_after_the_views_came_back_trains_as_unsharded(strategy):
     diff.assert_close_lists(_checkpointed_losses("ours", strategy), _checkpointed_losses("ref", strategy),
                             rtol=1e-5, what="activation checkpointing")
+
+
+# ---- activation-checkpoint recompute over units that are separate roots, or nested ones ---------------
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 9), nn.Linear(9, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Checkpointed(nn.Module):
+    """``torch.utils.checkpoint`` around ``inner`` (which may hold several units, or roots)."""
+
+    def __init__(self, inner: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+# Where the checkpointed regions lie: ``roots`` wraps each block as its own root (no unit over the model).
+RECOMPUTE_LAYOUTS = {
+    "roots_in_one_region": lambda wrap, ckpt, blocks: ckpt(nn.Sequential(*map(wrap, blocks))),
+    "two_roots_in_a_region_then_a_root": lambda wrap, ckpt, blocks: nn.Sequential(
+        ckpt(nn.Sequential(wrap(blocks[0]), wrap(blocks[1]))), wrap(blocks[2])),
+    "a_region_per_root": lambda wrap, ckpt, blocks: nn.Sequential(*(ckpt(wrap(block)) for block in blocks)),
+    "region_inside_each_root": lambda wrap, ckpt, blocks: nn.Sequential(*(wrap(ckpt(block)) for block in blocks)),
+    "nested_units_two_in_a_region": lambda wrap, ckpt, blocks: wrap(nn.Sequential(
+        ckpt(nn.Sequential(wrap(blocks[0]), wrap(blocks[1]))), wrap(blocks[2]))),
+    "region_around_a_root_with_nested_units": lambda wrap, ckpt, blocks: ckpt(wrap(nn.Sequential(*map(wrap, blocks)))),
+}
+
+
+def _checkpointed_model(kind: str, layout: str, reentrant: bool, strategy: str,
+                        use_orig_params: bool = True) -> nn.Module:
+    diff.quiet()
+    torch.manual_seed(0)
+    blocks = [_Block().to(diff.device()) for _ in range(3)]
+    sharding = getattr(diff.torch_fsdp.ShardingStrategy, strategy)
+    if kind == "ref":
+        def wrap(module: nn.Module) -> nn.Module:
+            return module
+    elif kind == "fsdp1":
+        def wrap(module: nn.Module) -> nn.Module:
+            return diff.TorchFSDP(module, use_orig_params=use_orig_params, sharding_strategy=sharding,
+                                  **diff.fsdp1_kwargs())
+    else:
+        def wrap(module: nn.Module) -> nn.Module:
+            return FSDP(module, use_orig_params=use_orig_params, sharding_strategy=sharding)
+    return RECOMPUTE_LAYOUTS[layout](wrap, lambda inner: _Checkpointed(inner, reentrant), blocks)
+
+
+def _recompute_inputs(step: int, reentrant: bool) -> torch.Tensor:
+    """The same batch on every rank: the ranks' averaged gradient is the unsharded model's. A reentrant
+    checkpoint needs an input that requires grad."""
+    torch.manual_seed(100 + step)
+    return torch.randn(4, 8, device=diff.device()).requires_grad_(reentrant)
+
+
+def _checkpointed_run(kind: str, layout: str, reentrant: bool, use_orig_params: bool) -> list[float]:
+    """The losses of 3 SGD steps, then each step's all-gather count."""
+    model = _checkpointed_model(kind, layout, reentrant, "FULL_SHARD", use_orig_params)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, gathers = [], []
+    for step in range(3):
+        events: list[str] = []
+        with diff.AllGatherLog(events):
+            loss = model(_recompute_inputs(step, reentrant)).pow(2).mean()
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        gathers.append(float(len(events)))
+    return losses + gathers
+
+
+# Every layout with FSDP1's plain views; the separate and nested roots also with flat parameters.
+RECOMPUTE_CASES = [(layout, reentrant, True) for layout in RECOMPUTE_LAYOUTS for reentrant in (False, True)]
+RECOMPUTE_CASES += [(layout, reentrant, False) for layout in ("roots_in_one_region", "nested_units_two_in_a_region")
+                    for reentrant in (False, True)]
+
+
+@pytest.mark.parametrize("layout,reentrant,use_orig_params", RECOMPUTE_CASES)
+@distributed_test(world_size=2)
+def test_activation_checkpoint_recompute_over_units_trains_as_fsdp1_without_more_all_gathers(layout, reentrant,
+                                                                                            use_orig_params):
+    """A checkpointed region recomputes every unit in it at the first backward step that needs it, before
+    their own pre-backward: the modules must hold the unsharded parameters again (FSDP1's are there), and
+    that must cost no all-gather FSDP1 does not make."""
+    ours = _checkpointed_run("ours", layout, reentrant, use_orig_params)
+    reference = _checkpointed_run("ref", layout, reentrant, use_orig_params)
+    diff.assert_close_lists(ours[:3], reference[:3], rtol=1e-5, what=f"{layout} vs the unsharded model")
+    key = diff.golden_key("recompute", layout, reentrant, *(() if use_orig_params else ("flat",)))
+    fsdp1 = diff.fsdp1_value(GOLDEN, key, lambda: _checkpointed_run("fsdp1", layout, reentrant, use_orig_params))
+    diff.assert_close_lists(ours[:3], fsdp1[:3], rtol=1e-5, what=f"{layout} vs torch FSDP1")
+    assert all(mine <= theirs for mine, theirs in zip(ours[3:], fsdp1[3:])), \
+        f"all-gathers per step: ours {ours[3:]}, FSDP1 {fsdp1[3:]}"
+
+
+def _roots(model: nn.Module, kind: str) -> list[nn.Module]:
+    return (diff.TorchFSDP if kind == "fsdp1" else FSDP).fsdp_modules(model, root_only=True)
+
+
+def _checkpointed_run_through_transitions(kind: str, layout: str, reentrant: bool, strategy: str) -> list[float]:
+    """Each step passes every transition of the views before a backward recomputes: an evaluation forward
+    (no autograd), a micro-batch inside ``no_sync``, ``state_dict()`` between the forward and its backward,
+    then ``summon_full_params`` and ``.to()`` after the optimizer step; the losses."""
+    model = _checkpointed_model(kind, layout, reentrant, strategy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        inputs = _recompute_inputs(step, reentrant)
+        with torch.no_grad():
+            model(inputs.detach())
+        roots = _roots(model, kind) if kind != "ref" else []
+        with contextlib.ExitStack() as unsynced:
+            for root in roots:
+                unsynced.enter_context(root.no_sync())
+            model(_recompute_inputs(10 + step, reentrant)).pow(2).mean().backward()
+        loss = model(inputs).pow(2).mean()
+        for root in roots:
+            root.state_dict()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for root in roots:
+            with type(root).summon_full_params(root, writeback=False):
+                pass
+        model.to(diff.device())
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("layout", ["roots_in_one_region", "nested_units_two_in_a_region"])
+@distributed_test(world_size=2)
+def test_activation_checkpoint_recompute_after_every_view_transition_trains_as_unsharded(layout, reentrant,
+                                                                                        strategy):
+    _check("recompute_transitions",
+           lambda kind: _checkpointed_run_through_transitions(kind, layout, reentrant, strategy), strategy,
+           layout, reentrant, fsdp1_right=True)

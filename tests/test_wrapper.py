@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +57,18 @@ def test_enums_interoperate_with_torchs():
     assert {TorchStrategy.NO_SHARD: 1}[fsdp_compat.ShardingStrategy.NO_SHARD] == 1
 
 
+@pytest.mark.skipif(diff.torch_fsdp is fsdp_compat, reason="this torch no longer ships FSDP1's configs")
+def test_configs_equal_torchs_with_equal_fields():
+    """As FSDP1's attributes hold the config objects the user passed, ``wrapper.mixed_precision ==
+    torch's MixedPrecision(...)`` must hold for ours (which converts torch's objects to its own classes)."""
+    torch_policy = diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16)
+    assert fsdp_compat.MixedPrecision(param_dtype=torch.bfloat16) == torch_policy
+    assert torch_policy == fsdp_compat.MixedPrecision(param_dtype=torch.bfloat16)
+    assert fsdp_compat.MixedPrecision() != torch_policy
+    assert fsdp_compat.CPUOffload(offload_params=True) == diff.torch_fsdp.CPUOffload(offload_params=True)
+    assert fsdp_compat.FullStateDictConfig(rank0_only=True) != diff.torch_fsdp.ShardedStateDictConfig()
+
+
 @distributed_test(world_size=2)
 def test_drop_in_script_with_torch_config_objects():
     """A typical FSDP1 script: every config name from torch, only the class from fsdp_compat.
@@ -90,6 +105,109 @@ def test_drop_in_script_with_torch_config_objects():
         diff.assert_close_lists(ours_losses, fsdp1_losses)
         assert list(ours_state) == list(fsdp1_state)
         diff.assert_close_dicts(ours_state, dict(fsdp1_state), what="FULL state dict")
+
+
+# ---------------------------------------------------------------------------------------------
+# The public attributes FSDP1's constructor sets, on every unit
+# ---------------------------------------------------------------------------------------------
+
+# What torch FSDP1's constructor (``_init_utils``: process group, core state, runtime state, parameter
+# handle) and ``nn.Module`` set on an instance without a leading underscore.
+CONSTRUCTOR_ATTRIBUTES = ["backward_prefetch", "compute_device", "cpu_offload", "forward_prefetch",
+                          "limit_all_gathers", "mixed_precision", "params", "process_group", "rank",
+                          "sharding_strategy", "training", "training_state", "world_size"]
+
+
+def _constructor_configs() -> dict[str, dict[str, Any]]:
+    """Constructor arguments as a drop-in user passes them (torch's enums and configs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    api = diff.torch_fsdp
+    return {
+        "defaults": {},
+        "mixed_precision": {"mixed_precision": api.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                  reduce_dtype=torch.float32,
+                                                                  buffer_dtype=torch.bfloat16)},
+        "cpu_offload": {"cpu_offload": api.CPUOffload(offload_params=True)},
+        "SHARD_GRAD_OP": {"sharding_strategy": api.ShardingStrategy.SHARD_GRAD_OP},
+        "NO_SHARD": {"sharding_strategy": api.ShardingStrategy.NO_SHARD},
+        "HYBRID_SHARD": {"sharding_strategy": api.ShardingStrategy.HYBRID_SHARD,
+                         "device_mesh": init_device_mesh(diff.device().type, (1, dist.get_world_size()))},
+        "prefetch_limits_orig_params": {"backward_prefetch": None, "forward_prefetch": True,
+                                        "limit_all_gathers": False, "use_orig_params": True},
+        "backward_post": {"backward_prefetch": api.BackwardPrefetch.BACKWARD_POST},
+    }
+
+
+def _described(value: Any) -> list[Any]:
+    """``[type name, value]`` of an attribute, JSON-able and comparable across implementations: our enums
+    and configs are our own classes of torch's names (they outlive FSDP1), compared by name and fields."""
+    if isinstance(value, enum.Enum):
+        return [type(value).__name__, value.name]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {}
+        for field in dataclasses.fields(value):
+            item = getattr(value, field.name)
+            fields[field.name] = ([cls.__name__ for cls in item] if isinstance(item, (list, tuple))
+                                  else str(item) if isinstance(item, torch.dtype) else item)
+        return [type(value).__name__, fields]
+    if isinstance(value, dist.ProcessGroup):
+        return ["ProcessGroup", dist.get_process_group_ranks(value), value is dist.group.WORLD]
+    if isinstance(value, torch.device):
+        return ["device", str(value)]
+    if isinstance(value, list):  # ``params``: FSDP1's flat parameters (ours: plain ones marked as such)
+        return ["list", [[isinstance(p, nn.Parameter), bool(getattr(p, "_is_flat_param", False)), p.dim(),
+                          str(p.dtype), p.requires_grad, str(p.device)] for p in value]]
+    return [type(value).__name__, value]
+
+
+def _units(wrapper_class: type, kwargs: dict[str, Any]) -> list[nn.Module]:
+    """The units of the test model built with ``kwargs``, in ``fsdp_modules`` order."""
+    diff.quiet()
+    kwargs = dict(kwargs, auto_wrap_policy=diff.block_policy_torch())
+    if wrapper_class is not FSDP:
+        kwargs.update(diff.fsdp1_kwargs())
+    units = wrapper_class.fsdp_modules(wrapper_class(diff.make_model(), **kwargs))
+    if wrapper_class is not FSDP:  # the list is FSDP1's, complete
+        assert sorted(name for name in vars(units[0]) if not name.startswith("_")) == CONSTRUCTOR_ATTRIBUTES
+    return units
+
+
+def _described_units(units: list[nn.Module]) -> list[dict[str, list[Any]]]:
+    """Every unit's attributes described, the same on every rank: ``rank`` as every rank's value."""
+    described = [{name: _described(getattr(unit, name)) for name in CONSTRUCTOR_ATTRIBUTES} for unit in units]
+    every_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, described)
+    for index, unit in enumerate(described):
+        unit["rank"] = ["int", [each[index]["rank"][1] for each in every_rank]]
+        others = [{**each[index], "rank": unit["rank"]} for each in every_rank]
+        assert all(other == unit for other in others), "only the rank differs between ranks"
+    return described
+
+
+@pytest.mark.parametrize("config", ["defaults", "mixed_precision", "cpu_offload", "SHARD_GRAD_OP", "NO_SHARD",
+                                    "HYBRID_SHARD", "prefetch_limits_orig_params", "backward_post"])
+@distributed_test(world_size=2)
+def test_public_constructor_attributes_are_fsdp1s(config):
+    """Each public attribute FSDP1's constructor sets, on every unit: FSDP1's value, of FSDP1's type (by
+    name: ``MixedPrecision()`` without mixed precision, not ``None``), and with FSDP1 at hand equal to its
+    values themselves (our enums and configs equal torch's) and the same process group object. ``params``:
+    the unit's flat parameters, plain ``nn.Parameter``s marked ``_is_flat_param`` (torch's ``FlatParameter``
+    ``isinstance`` check accepts them; README, "Differences")."""
+    kwargs = _constructor_configs()[config]
+    ours = _units(FSDP, kwargs)
+    theirs = _units(diff.TorchFSDP, kwargs) if diff.HAVE_FSDP1 else []
+    expected = diff.fsdp1_value("wrapper_names", diff.golden_key("constructor-attributes", config),
+                                lambda: _described_units(theirs))
+    described = _described_units(ours)
+    assert len(described) == len(expected)
+    for index, (mine, fsdp1) in enumerate(zip(described, expected)):
+        for name in CONSTRUCTOR_ATTRIBUTES:
+            assert mine[name] == fsdp1[name], f"unit {index}: {name} is {mine[name]}, FSDP1's {fsdp1[name]}"
+    for mine, fsdp1 in zip(ours, theirs):
+        for name in ("sharding_strategy", "backward_prefetch", "mixed_precision", "cpu_offload", "training_state"):
+            assert getattr(mine, name) == getattr(fsdp1, name) and getattr(fsdp1, name) == getattr(mine, name), name
+        assert mine.process_group is fsdp1.process_group
 
 
 # ---------------------------------------------------------------------------------------------
