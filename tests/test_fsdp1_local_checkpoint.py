@@ -139,9 +139,10 @@ def test_misfit_on_one_rank_raises_on_every_rank():
 # ---------------------------------------------------------------------------------------------
 
 
-def ours_holding(values: dict[str, torch.Tensor], use_orig_params: bool, strategy: str = "FULL_SHARD") -> FSDP:
+def ours_holding(values: dict[str, torch.Tensor], use_orig_params: bool, strategy: str = "FULL_SHARD",
+                 **kwargs) -> FSDP:
     """:func:`ours` with ``values`` loaded (FULL)."""
-    model = ours(use_orig_params, sharding_strategy=getattr(fsdp_compat.ShardingStrategy, strategy))
+    model = ours(use_orig_params, sharding_strategy=getattr(fsdp_compat.ShardingStrategy, strategy), **kwargs)
     with FSDP.state_dict_type(model, FULL):
         model.load_state_dict(values | {"head.weight": values["emb.weight"]})
     return model
@@ -179,6 +180,14 @@ def test_local_state_dict_is_fsdp1s_byte_for_byte(use_orig_params, strategy):
     order. (FSDP1 writes the same for both strategies.)"""
     model = ours_holding(golden_expected(use_orig_params), use_orig_params, strategy)
     assert_same_local_state_dict(our_local_state_dict(model), golden_rank_file(use_orig_params))
+
+
+@distributed_test(world_size=2)
+def test_local_state_dict_with_a_device_mesh_is_fsdp1s_without_one():
+    """FSDP1 refuses LOCAL with a device mesh; ours writes what FSDP1 writes for the same sharding given as a
+    process group, which FSDP1 built that way resumes. (Likewise over HYBRID_SHARD's shard groups.)"""
+    model = ours_holding(golden_expected(False), False, device_mesh=init_device_mesh(diff.device().type, (2,)))
+    assert_same_local_state_dict(our_local_state_dict(model), golden_rank_file(False))
 
 
 def fsdp1_resumes_ours(path: str, strategy: str, use_orig_params: bool) -> None:
