@@ -16,10 +16,11 @@ is not already on the CPU.
 * SHARDED: engine-sharded parameters as FSDP1's ``ShardedTensor`` (``DTensor`` under
   ``ShardedStateDictConfig(_use_dtensor=True)`` or for a unit built with a device mesh, as FSDP1),
   buffers as plain tensors. Either is what ``torch.distributed.checkpoint`` reshards across world sizes.
-* LOCAL: each parameter's own piece on this rank (dim-0 ``torch.chunk`` piece, possibly empty) as a
-  ``ShardedTensor`` of the parameter, which carries its sharding (FSDP1 keys one per flat parameter;
-  we key per parameter, see ``_flat_checkpoint``), buffers as plain tensors. A plain per-rank tensor
-  would be taken as replicated by ``torch.distributed.checkpoint`` and saved once: half the data lost.
+* LOCAL: FSDP1's format, so that FSDP1 resumes it (``_flat_checkpoint``): per sharded unit, this rank's
+  slice of the unit's flat parameter as a ``ShardedTensor`` (which carries its sharding: a plain per-rank
+  tensor would be taken as replicated by ``torch.distributed.checkpoint`` and saved once, half the data
+  lost), with ``use_orig_params=True`` also each parameter's part of it; buffers as plain tensors. One
+  all-gather per unit: the engine's layout is not FSDP1's.
 * ``NO_SHARD`` units give full tensors for every type, as FSDP1.
 """
 

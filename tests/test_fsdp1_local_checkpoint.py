@@ -190,6 +190,31 @@ def test_local_state_dict_with_a_device_mesh_is_fsdp1s_without_one():
     assert_same_local_state_dict(our_local_state_dict(model), golden_rank_file(False))
 
 
+# fault name -> (how rank 1 corrupts its dict, the exception every rank raises)
+LOCAL_FAULTS = {
+    "empty": (lambda sd: sd.clear(), ValueError),  # in no format at all: it must still not go it alone
+    "unexpected_key": (lambda sd: sd.__setitem__("extra.weight", torch.zeros(2)), RuntimeError),
+    "wrong_buffer_shape": (lambda sd: sd.__setitem__("offset", torch.zeros(3)), RuntimeError),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(LOCAL_FAULTS))
+@distributed_test(world_size=2)
+def test_bad_local_input_on_one_rank_raises_everywhere_and_loads_nowhere(fault):
+    """Loading our LOCAL dicts (FSDP1's format) is collective: bad input on one rank raises on every rank,
+    none left waiting, and nothing is loaded anywhere."""
+    state_dict = our_local_state_dict(ours_holding(golden_expected(False), False))
+    corrupt, error_type = LOCAL_FAULTS[fault]
+    if dist.get_rank() == 1:
+        corrupt(state_dict)
+    model = ours()
+    before = diff.model_state(model)
+    with pytest.raises(error_type) as raised:
+        load_local(model, state_dict)
+    assert dist.get_rank() == 1 or "rank(s) [1]" in str(raised.value), raised.value
+    assert_bit_for_bit(diff.model_state(model), before, "after a refused load")
+
+
 def fsdp1_resumes_ours(path: str, strategy: str, use_orig_params: bool) -> None:
     """mmengine's flow (its FSDPStrategy's default ``state_dict_cfg='local'``): ``model.state_dict()``
     under LOCAL_STATE_DICT, ``torch.save`` per rank; FSDP1, wrapped as we were, resumes it (in memory and
