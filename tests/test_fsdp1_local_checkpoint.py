@@ -227,6 +227,12 @@ def fsdp1_resumes_ours(path: str, strategy: str, use_orig_params: bool) -> None:
         fsdp1 = golden.fsdp1_wrap(golden.make_model(1), use_orig_params, strategy)
         assert_bit_for_bit(golden.fsdp1_full_values(fsdp1, incoming), expected, f"FSDP1 {strategy}")
         assert_computes_with(fsdp1, expected)
+    if use_orig_params:  # FSDP1 refuses its own such dicts under strict=True, and ours alike
+        for incoming in (state_dict, golden_rank_file(True)):
+            fsdp1 = golden.fsdp1_wrap(golden.make_model(1), use_orig_params, strategy)
+            with diff.TorchFSDP.state_dict_type(fsdp1, diff.torch_fsdp.StateDictType.LOCAL_STATE_DICT):
+                with pytest.raises(RuntimeError, match="Unexpected key.*_flat_param"):
+                    fsdp1.load_state_dict(incoming)
 
 
 @needs_fsdp1
