@@ -156,8 +156,9 @@ def _key_errors(missing: list[str], unexpected: list[str]) -> list[str]:
     errors = ["{} key(s) in state_dict: {}. ".format(kind, ", ".join(f'"{k}"' for k in keys))
               for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
     if any(key.endswith(_flat_checkpoint.FLAT_PARAM) for key in unexpected):
-        errors.append("This looks like a torch-FSDP1 LOCAL_STATE_DICT (flat parameters): load it under "
-                      "StateDictType.LOCAL_STATE_DICT, with the world size and wrapping it was written with.")
+        errors.append("This looks like a LOCAL_STATE_DICT (FSDP1's flat parameters, as torch FSDP1 and fsdp_compat "
+                      "write it): load it under StateDictType.LOCAL_STATE_DICT, with the world size and wrapping it "
+                      "was written with.")
     return errors
 
 
