@@ -467,12 +467,14 @@ def local_shape_and_offset(like: DTensor) -> tuple[tuple[int, ...], tuple[int, .
 
 
 def new_sharded_tensor(local: torch.Tensor, size: torch.Size,
-                       pieces: list[tuple[tuple[int, ...], tuple[int, ...], int]], group: dist.ProcessGroup) -> Any:
+                       pieces: list[tuple[tuple[int, ...], tuple[int, ...], int]], group: dist.ProcessGroup,
+                       requires_grad: bool = False) -> Any:
     """FSDP1's ``ShardedTensor`` of global ``size`` over ``group``: ``pieces`` lists the ``(offsets,
     sizes, global rank)`` of every rank holding a piece; ``local`` is this rank's, kept as it is (no
     copy), if this rank is among them. Built from metadata alone, as FSDP1's own
     ``_create_chunk_sharded_tensor``: the public ``init_from_local_shards`` all-gathers every rank's
-    metadata to check it, once per tensor."""
+    metadata to check it, once per tensor. ``requires_grad``: recorded in the metadata (FSDP1's
+    LOCAL flat parameters record their parameter's ``True``)."""
     device = local.device
     devices = max(torch.accelerator.device_count(), 1)
 
@@ -484,7 +486,7 @@ def new_sharded_tensor(local: torch.Tensor, size: torch.Size,
     local_shards = [Shard(local, ShardMetadata(list(offsets), list(sizes), f"rank:{dist.get_rank()}/{device}"))
                     for offsets, sizes, rank in pieces if rank == me]
     metadata = ShardedTensorMetadata(shards_metadata=shards, size=size,
-                                     tensor_properties=TensorProperties(dtype=local.dtype, requires_grad=False))
+                                     tensor_properties=TensorProperties(dtype=local.dtype, requires_grad=requires_grad))
     return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
 
 

@@ -1,4 +1,4 @@
-"""torch FSDP1's LOCAL_STATE_DICT checkpoints (one flat parameter per unit), read per parameter.
+"""torch FSDP1's LOCAL_STATE_DICT format (one flat parameter per unit): written, and read per parameter.
 
 FSDP1's LOCAL state dict holds, per unit with parameters, a ``ShardedTensor`` keyed
 ``<unit path>._flat_param`` with this rank's slice of the unit's 1-D ``FlatParameter``. The engine
@@ -19,6 +19,10 @@ has none, so the layout is rebuilt from the module by the rules of FSDP1's ``_fl
 The padding is read off the checkpoint's size: this wrapper's own settings first, then the other
 ``use_orig_params`` and compute dtypes (users moving off FSDP1 often change them). A size matching
 none means another world size or wrapping, which no local reading can fix.
+
+fsdp_compat's own LOCAL state dicts are written in this format too (:func:`local_flat_params`), so that
+FSDP1 resumes them. The engine shards each parameter on its own, so this rank's FSDP1 slice holds
+elements of other ranks: writing costs one all-gather per unit, reading one as well.
 """
 
 from __future__ import annotations
@@ -29,17 +33,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import _engine
 from ._collectives import communication_device, ranks_where
+from ._engine import local_tensor, new_sharded_tensor
 from ._state_dict_entries import Entry
-from ._tensor_layout import gather_full_tensors, shard_like
+from ._tensor_layout import GatherBuffer, gather_full_tensors, shard_like
 from ._unit_state import UnitState, units_with_paths
 from .api import ShardingStrategy
 
 FLAT_PARAM = "_flat_param"
 _ALIGNMENT_BYTES = 16  # FSDP1's address alignment under use_orig_params=True (for TorchInductor)
+_PADDING_VALUE = 42  # what FSDP1 fills padding with when it flattens (never read; kept by training without decay)
 
 
 @dataclasses.dataclass
@@ -191,3 +198,71 @@ def _unflatten(units: list[_FlatUnit], state_dict: Mapping[str, Any], entries: l
     result = {key: value for key, value in state_dict.items() if key not in flat_keys}
     result.update((entry.key, values[id(entry.sharded)]) for entry in entries if id(entry.sharded) in values)
     return result
+
+
+@dataclasses.dataclass
+class LocalFlatParam:
+    """One unit's part of an FSDP1 LOCAL state dict as this rank writes it."""
+
+    path: str  # the unit's clean module path ("": the root)
+    key: str  # ``<path>._flat_param``
+    value: Any  # this rank's slice of the flat parameter, as FSDP1's ShardedTensor
+    views: dict[int, torch.Tensor]  # id(sharded parameter) -> its elements in the slice (use_orig_params=True)
+    use_orig_params: bool
+
+    def holds(self, key: str) -> bool:
+        """Whether the state-dict ``key`` lies in this unit's module tree."""
+        return not self.path or key.startswith(self.path + ".")
+
+
+@torch.no_grad()
+def local_flat_params(root: UnitState, entries: list[Entry], offload_to_cpu: bool) -> list[LocalFlatParam]:
+    """FSDP1's LOCAL flat parameter of every sharded unit with parameters under ``root``, pre-order: a
+    ``ShardedTensor`` of global size FSDP1's flat size (``_layout``), holding this rank's ``torch.chunk``
+    slice of it (none if empty), with FSDP1's metadata; padding as FSDP1 flattens it. One all-gather of the unit's
+    parameters per unit (over its shard group), one unit's full parameters held at a time. Inside
+    ``summon_full_params`` the values shown (edits included) are written where this rank shows them."""
+    shown = {id(entry.sharded): entry.value for entry in entries if entry.full_visible}
+    result = []
+    buffer = GatherBuffer()
+    for path, unit in units_with_paths(root.wrapper):
+        slots = _engine.unit_param_slots(unit.module)
+        if not slots or unit.sharding_strategy == ShardingStrategy.NO_SHARD:
+            continue  # FSDP1 gives NO_SHARD units' states as FULL ones
+        params = _in_fsdp1_order(unit, slots)
+        offsets, total = _layout([param.numel() for param in params], _alignments(unit, params)[0],
+                                 unit.world_size)
+        shard_numel = math.ceil(total / unit.world_size)
+        start = unit.rank * shard_numel
+        out_device = torch.device("cpu") if offload_to_cpu else local_tensor(params[0]).device
+        # Gathered on every rank alike (the shown values may be on some ranks only: rank0_only).
+        fulls = gather_full_tensors(params, communication_device(unit.process_group), out_device=out_device,
+                                    buffer=buffer)
+        local = torch.full((max(0, min(shard_numel, total - start)),), _PADDING_VALUE, dtype=params[0].dtype,
+                           device=out_device)
+        views = {}
+        for param, offset, full in zip(params, offsets, fulls):
+            full = shown.get(id(param), full)
+            begin, end = max(offset, start), min(offset + param.numel(), start + local.numel())
+            if begin < end:
+                local[begin - start:end - start].copy_(full.reshape(-1)[begin - offset:end - offset])
+            views[id(param)] = local[begin - start:max(begin, end) - start]
+        del fulls
+        key = f"{path}.{FLAT_PARAM}" if path else FLAT_PARAM
+        result.append(LocalFlatParam(path, key, _flat_sharded_tensor(unit, local, total, shard_numel), views,
+                                     unit.use_orig_params))
+    buffer.release()
+    return result
+
+
+def _flat_sharded_tensor(unit: UnitState, local: torch.Tensor, total: int, shard_numel: int) -> Any:
+    """FSDP1's ``ShardedTensor`` of the flat parameter: every rank of the unit's group with elements holds
+    ``[r * shard_numel, ...)`` of ``total`` (placements by global rank, as FSDP1's on its group). Its local
+    shard requires grad, as FSDP1's (a slice of the parameter); the per-parameter views do not (FSDP1's are
+    detached by ``nn.Module.state_dict``), so they are taken of ``local``, which shares the memory."""
+    local = local.detach().requires_grad_(True)
+    ranks = dist.get_process_group_ranks(unit.process_group)
+    pieces: list[tuple[tuple[int, ...], tuple[int, ...], int]] = [
+        ((r * shard_numel,), (min(shard_numel, total - r * shard_numel),), ranks[r])
+        for r in range(unit.world_size) if r * shard_numel < total]
+    return new_sharded_tensor(local, torch.Size([total]), pieces, unit.process_group, requires_grad=True)

@@ -16,10 +16,11 @@ a unit (ignored modules', nested units' included, excepted) is a copy in its ori
 * SHARDED: engine-sharded parameters as FSDP1's ``ShardedTensor`` (``DTensor`` under
   ``ShardedStateDictConfig(_use_dtensor=True)`` or for a unit built with a device mesh, as FSDP1),
   buffers as plain tensors. Either is what ``torch.distributed.checkpoint`` reshards across world sizes.
-* LOCAL: each parameter's own piece on this rank (dim-0 ``torch.chunk`` piece, possibly empty) as a
-  ``ShardedTensor`` of the parameter, which carries its sharding (FSDP1 keys one per flat parameter;
-  we key per parameter, see ``_flat_checkpoint``), buffers as plain tensors. A plain per-rank tensor
-  would be taken as replicated by ``torch.distributed.checkpoint`` and saved once: half the data lost.
+* LOCAL: FSDP1's format, so that FSDP1 resumes it (``_flat_checkpoint``): per sharded unit, this rank's
+  slice of the unit's flat parameter as a ``ShardedTensor`` (which carries its sharding: a plain per-rank
+  tensor would be taken as replicated by ``torch.distributed.checkpoint`` and saved once, half the data
+  lost), with ``use_orig_params=True`` also each parameter's part of it; buffers as plain tensors. One
+  all-gather per unit: the engine's layout is not FSDP1's.
 * ``NO_SHARD`` units give full tensors for every type, as FSDP1.
 """
 
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _mixed_precision
+from . import _flat_checkpoint, _mixed_precision
 from ._common import clean_module_path
 from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, effective_settings, entries_of,
                                   entry_settings)
@@ -152,7 +154,21 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
         for path, module_metadata in metadata.items():
             path = clean_module_path(path)
             destination._metadata[(prefix + path) if path else prefix[:-1]] = module_metadata
-    for entry, entry_type, entry_config in plans:
+    # LOCAL: FSDP1's format, one flat parameter per sharded unit (``_flat_checkpoint``), so that FSDP1
+    # resumes it; a collective, as FSDP1's LOCAL state_dict() is (its ShardedTensors gather metadata).
+    flat = (_flat_checkpoint.local_flat_params(root, entries, config.offload_to_cpu)
+            if requested == StateDictType.LOCAL_STATE_DICT else [])
+    flat_of = {param: unit for unit in flat for param in unit.views}
+    for item in _in_fsdp1_local_order(plans, flat):
+        if isinstance(item, _flat_checkpoint.LocalFlatParam):
+            destination[prefix + item.key] = item.value
+            continue
+        entry, entry_type, entry_config = item
+        if entry.sharded is not None and id(entry.sharded) in flat_of:
+            flat_unit = flat_of[id(entry.sharded)]
+            if flat_unit.use_orig_params:  # FSDP1 keeps each parameter's part of the slice: a plain view
+                destination[prefix + entry.key] = flat_unit.views[id(entry.sharded)]
+            continue
         if _only_rank0_keeps(entry_config, root.rank) and not entry.is_plain_param:
             continue  # FSDP1: under rank0_only, other ranks keep only ignored parameters
         value = _entry_value(entry, entry_type, full, restore_dtypes, keep_vars)
@@ -164,6 +180,26 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
             value = as_sharded_tensor(value)
         destination[prefix + entry.key] = value
     return destination
+
+
+def _in_fsdp1_local_order(plans: list[tuple[Entry, StateDictType, StateDictConfig]],
+                          flat: list[_flat_checkpoint.LocalFlatParam]) -> Iterator[Any]:
+    """``plans`` with each unit's flat parameter where FSDP1's LOCAL state dict has it: with
+    ``use_orig_params=False`` it is the unit module's only parameter, first in the unit's tree; with
+    ``True`` FSDP1's hook adds it once the unit's tree is written (inner units first)."""
+    pending = list(flat)  # pre-order
+    for index, plan in enumerate(plans):
+        key = plan[0].key
+        for unit in [unit for unit in pending if not unit.use_orig_params and unit.holds(key)]:
+            pending.remove(unit)
+            yield unit
+        yield plan
+        following = plans[index + 1][0].key if index + 1 < len(plans) else None
+        for unit in [unit for unit in reversed(pending) if unit.use_orig_params and unit.holds(key)
+                     and (following is None or not unit.holds(following))]:
+            pending.remove(unit)
+            yield unit
+    yield from reversed(pending)  # none: every unit with parameters has entries
 
 
 def _gives_dtensor(entry: Entry, state_dict_type: StateDictType, config: StateDictConfig) -> bool:

@@ -156,8 +156,9 @@ def _key_errors(missing: list[str], unexpected: list[str]) -> list[str]:
     errors = ["{} key(s) in state_dict: {}. ".format(kind, ", ".join(f'"{k}"' for k in keys))
               for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
     if any(key.endswith(_flat_checkpoint.FLAT_PARAM) for key in unexpected):
-        errors.append("This looks like a torch-FSDP1 LOCAL_STATE_DICT (flat parameters): load it under "
-                      "StateDictType.LOCAL_STATE_DICT, with the world size and wrapping it was written with.")
+        errors.append("This looks like a LOCAL_STATE_DICT (FSDP1's flat parameters, as torch FSDP1 and fsdp_compat "
+                      "write it): load it under StateDictType.LOCAL_STATE_DICT, with the world size and wrapping it "
+                      "was written with.")
     return errors
 
 
@@ -205,15 +206,19 @@ def _agreement(root: UnitState, local: bool = False) -> contextlib.AbstractConte
 
 
 def _loads_locally(root: UnitState, state_dict: Any, state_dict_type: StateDictType) -> bool:
-    """A LOCAL load every value of which converts on this rank alone: no FSDP1 flat parameter (read by
-    gathering), and pieces cut as this model's (a plain piece, or a ShardedTensor / DTensor in its layout)."""
+    """A LOCAL load in fsdp_compat's earlier per-parameter format, every value of which converts on this rank
+    alone: no FSDP1 flat parameter (read by gathering), some parameter of this model under its own name, and
+    pieces cut as this model's (a plain piece, or a ShardedTensor / DTensor in its layout). Any other input
+    (an empty or foreign dict on one rank) joins the collective load that FSDP1's format, the one written
+    now, takes on the other ranks, so that they raise with it rather than wait."""
     if state_dict_type != StateDictType.LOCAL_STATE_DICT or not isinstance(state_dict, Mapping) \
             or _flat_checkpoint.flat_unit_paths(state_dict):
         return False
     entries, _ = entries_of(root)
-    return all(converts_locally(state_dict[entry.key], None if entry.sharded is None or entry.full_visible
-                                else entry.sharded)
-               for entry in entries if entry.key in state_dict and isinstance(entry.value, torch.Tensor))
+    return any(entry.sharded is not None and entry.key in state_dict for entry in entries) and all(
+        converts_locally(state_dict[entry.key], None if entry.sharded is None or entry.full_visible
+                         else entry.sharded)
+        for entry in entries if entry.key in state_dict and isinstance(entry.value, torch.Tensor))
 
 
 def _as_target_form(entry: Entry, value: Any, state_dict_type: StateDictType) -> Any:

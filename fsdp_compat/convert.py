@@ -1,8 +1,9 @@
-"""Convert torch FSDP1 LOCAL_STATE_DICT checkpoints (flat parameters) into ones any world size loads.
+"""Convert LOCAL_STATE_DICT checkpoints in FSDP1's format (flat parameters) into ones any world size loads.
 
-FSDP1's LOCAL checkpoints (one file per rank) load only at the world size and wrapping they were
-written with. This reads them with the model definition, without FSDP1, and writes a FULL state
-dict file (``torch.save``, clean parameter names) or a ``torch.distributed.checkpoint`` directory.
+FSDP1's LOCAL checkpoints (one file per rank), and fsdp_compat's, which are in FSDP1's format, load only
+at the world size and wrapping they were written with. This reads them with the model definition,
+without FSDP1, and writes a FULL state dict file (``torch.save``, clean parameter names) or a
+``torch.distributed.checkpoint`` directory.
 Launch one process per rank file, as many as the checkpoint was written with::
 
     torchrun --nproc-per-node 2 -m fsdp_compat.convert --model mypkg.models:build_model \\

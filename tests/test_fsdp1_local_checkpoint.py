@@ -1,10 +1,13 @@
-"""torch FSDP1's LOCAL_STATE_DICT checkpoints (flat parameters): loaded under LOCAL_STATE_DICT,
-refused with a ValueError on every rank when world size or wrapping differ, and converted by
-``fsdp_compat.convert`` into FULL / DCP checkpoints that load at another world size.
+"""torch FSDP1's LOCAL_STATE_DICT checkpoints (flat parameters): written by fsdp_compat as FSDP1
+writes them (so FSDP1 resumes them), loaded under LOCAL_STATE_DICT, refused with a ValueError on
+every rank when world size or wrapping differ, and converted by ``fsdp_compat.convert`` into FULL /
+DCP checkpoints that load at another world size. fsdp_compat's earlier per-parameter LOCAL format
+still loads.
 
 The oracle is FSDP1's own reading of the same checkpoint (``summon_full_params`` after loading
-it): live when torch ships FSDP1, else the golden files written by ``tests/fsdp1_local_golden.py``
-(world size 2, both ``use_orig_params`` values). Values must match bit for bit.
+it) and FSDP1's own LOCAL state dict of the same values: live when torch ships FSDP1, else the
+golden files written by ``tests/fsdp1_local_golden.py`` (world size 2, both ``use_orig_params``
+values). Values must match bit for bit.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from fsdp_compat.convert import convert_local_checkpoint
 from fsdp_compat.testing import distributed_test, run_on_ranks
 from fsdp_compat.wrap import ModuleWrapPolicy
 from tests import differential as diff
+from tests import earlier_local_golden as earlier
 from tests import fsdp1_local_golden as golden
 
 LOCAL = fsdp_compat.StateDictType.LOCAL_STATE_DICT
@@ -128,6 +132,136 @@ def test_misfit_on_one_rank_raises_on_every_rank():
         state_dict.pop("gate._flat_param")
     expected = "'gate'" if dist.get_rank() == 1 else "rank(s) [1]"
     assert_raises_everywhere_and_changes_nothing(model, state_dict, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# fsdp_compat's LOCAL state dicts are FSDP1's, so that FSDP1 resumes them
+# ---------------------------------------------------------------------------------------------
+
+
+def ours_holding(values: dict[str, torch.Tensor], use_orig_params: bool, strategy: str = "FULL_SHARD",
+                 **kwargs) -> FSDP:
+    """:func:`ours` with ``values`` loaded (FULL)."""
+    model = ours(use_orig_params, sharding_strategy=getattr(fsdp_compat.ShardingStrategy, strategy), **kwargs)
+    with FSDP.state_dict_type(model, FULL):
+        model.load_state_dict(values | {"head.weight": values["emb.weight"]})
+    return model
+
+
+def our_local_state_dict(model: FSDP) -> dict:
+    with FSDP.state_dict_type(model, LOCAL):
+        return model.state_dict()
+
+
+def assert_same_local_state_dict(actual: dict, expected: dict) -> None:
+    """Same keys in the same order, same value kinds, FSDP1's ShardedTensor metadata, equal bytes."""
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        theirs, ours_value = value, actual[key]
+        assert type(ours_value) is type(theirs), key
+        if type(theirs).__name__ == "ShardedTensor":
+            assert ours_value.metadata() == theirs.metadata(), key
+            assert [s.metadata for s in ours_value.local_shards()] == [s.metadata for s in theirs.local_shards()], key
+            pairs = [(a.tensor, b.tensor) for a, b in zip(ours_value.local_shards(), theirs.local_shards())]
+        else:
+            pairs = [(ours_value, theirs)]
+        for a, b in pairs:
+            assert (a.shape, a.dtype, a.requires_grad) == (b.shape, b.dtype, b.requires_grad), key
+            assert torch.equal(a.cpu(), b.cpu()), key
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed_test(world_size=2)
+def test_local_state_dict_is_fsdp1s_byte_for_byte(use_orig_params, strategy):
+    """Holding the values of the golden FSDP1 checkpoint, our LOCAL state dict is that checkpoint: one
+    ``<unit>._flat_param`` ShardedTensor per unit (FSDP1's padding and metadata), buffers and the ignored
+    module's parameters plain, with ``use_orig_params=True`` FSDP1's per-parameter views, in FSDP1's key
+    order. (FSDP1 writes the same for both strategies.)"""
+    model = ours_holding(golden_expected(use_orig_params), use_orig_params, strategy)
+    assert_same_local_state_dict(our_local_state_dict(model), golden_rank_file(use_orig_params))
+
+
+@distributed_test(world_size=2)
+def test_local_state_dict_with_a_device_mesh_is_fsdp1s_without_one():
+    """FSDP1 refuses LOCAL with a device mesh; ours writes what FSDP1 writes for the same sharding given as a
+    process group, which FSDP1 built that way resumes. (Likewise over HYBRID_SHARD's shard groups.)"""
+    model = ours_holding(golden_expected(False), False, device_mesh=init_device_mesh(diff.device().type, (2,)))
+    assert_same_local_state_dict(our_local_state_dict(model), golden_rank_file(False))
+
+
+# fault name -> (how rank 1 corrupts its dict, the exception every rank raises)
+LOCAL_FAULTS = {
+    "empty": (lambda sd: sd.clear(), ValueError),  # in no format at all: it must still not go it alone
+    "unexpected_key": (lambda sd: sd.__setitem__("extra.weight", torch.zeros(2)), RuntimeError),
+    "wrong_buffer_shape": (lambda sd: sd.__setitem__("offset", torch.zeros(3)), RuntimeError),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(LOCAL_FAULTS))
+@distributed_test(world_size=2)
+def test_bad_local_input_on_one_rank_raises_everywhere_and_loads_nowhere(fault):
+    """Loading our LOCAL dicts (FSDP1's format) is collective: bad input on one rank raises on every rank,
+    none left waiting, and nothing is loaded anywhere."""
+    state_dict = our_local_state_dict(ours_holding(golden_expected(False), False))
+    corrupt, error_type = LOCAL_FAULTS[fault]
+    if dist.get_rank() == 1:
+        corrupt(state_dict)
+    model = ours()
+    before = diff.model_state(model)
+    with pytest.raises(error_type) as raised:
+        load_local(model, state_dict)
+    assert dist.get_rank() == 1 or "rank(s) [1]" in str(raised.value), raised.value
+    assert_bit_for_bit(diff.model_state(model), before, "after a refused load")
+
+
+def fsdp1_resumes_ours(path: str, strategy: str, use_orig_params: bool) -> None:
+    """mmengine's flow (its FSDPStrategy's default ``state_dict_cfg='local'``): ``model.state_dict()``
+    under LOCAL_STATE_DICT, ``torch.save`` per rank; FSDP1, wrapped as we were, resumes it (in memory and
+    from the files) with the ``strict`` that it loads its own LOCAL files with."""
+    expected = golden_expected(use_orig_params)
+    state_dict = our_local_state_dict(ours_holding(expected, use_orig_params, strategy))
+    rank_path = path.format(rank=dist.get_rank())
+    torch.save(state_dict, rank_path)
+    for incoming in (state_dict, golden.load_local_file(rank_path)):
+        fsdp1 = golden.fsdp1_wrap(golden.make_model(1), use_orig_params, strategy)
+        assert_bit_for_bit(golden.fsdp1_full_values(fsdp1, incoming), expected, f"FSDP1 {strategy}")
+        assert_computes_with(fsdp1, expected)
+    if use_orig_params:  # FSDP1 refuses its own such dicts under strict=True, and ours alike
+        for incoming in (state_dict, golden_rank_file(True)):
+            fsdp1 = golden.fsdp1_wrap(golden.make_model(1), use_orig_params, strategy)
+            with diff.TorchFSDP.state_dict_type(fsdp1, diff.torch_fsdp.StateDictType.LOCAL_STATE_DICT):
+                with pytest.raises(RuntimeError, match="Unexpected key.*_flat_param"):
+                    fsdp1.load_state_dict(incoming)
+
+
+@needs_fsdp1
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_resumes_our_local_checkpoint(tmp_path, strategy, use_orig_params):
+    run_on_ranks(fsdp1_resumes_ours, 2, str(tmp_path / "local_rank{rank}.pt"), strategy, use_orig_params)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed_test(world_size=2)
+def test_earlier_per_parameter_local_checkpoint_still_loads(use_orig_params):
+    """fsdp_compat's LOCAL files before it wrote FSDP1's format (each parameter's ``torch.chunk`` piece
+    as a ShardedTensor) load as before, into either ``use_orig_params``."""
+    model = ours(use_orig_params)
+    load_local(model, golden.load_local_file(earlier.rank_path(dist.get_rank())))
+    assert_bit_for_bit(diff.model_state(model), earlier.expected_values(), "earlier format")
+
+
+@distributed_test(world_size=2)
+def test_earlier_local_dcp_checkpoint_loads_as_sharded():
+    """Through ``torch.distributed.checkpoint`` the earlier LOCAL format is a SHARDED checkpoint (same
+    keys and pieces): the SHARDED recipe loads it."""
+    model = ours()
+    with FSDP.state_dict_type(model, SHARDED):
+        state_dict = model.state_dict()
+        dcp.load(state_dict, checkpoint_id=str(earlier.EARLIER_LOCAL_DIR / "dcp"))
+        model.load_state_dict(state_dict)
+    assert_bit_for_bit(diff.model_state(model), earlier.expected_values(), "earlier format through DCP")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,3 +371,5 @@ def test_loads_fsdp1_mixed_precision_alignment(tmp_path):
 def test_golden_local_checkpoints_are_small():
     files = list(golden.GOLDEN_LOCAL_DIR.iterdir())
     assert len(files) == 6 and sum(p.stat().st_size for p in files) < 64_000
+    files = [path for path in earlier.EARLIER_LOCAL_DIR.rglob("*") if path.is_file()]
+    assert len(files) == 5 and sum(p.stat().st_size for p in files) < 64_000

@@ -28,6 +28,8 @@ from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat.examples import Block
 from fsdp_compat.testing import distributed_test
 from tests import differential as diff
+from tests import earlier_local_golden as earlier_local
+from tests import fsdp1_local_golden as golden_local
 from tests.test_optim_state import api_of, assert_states_equal, full_state
 
 GOLDEN = "optim_state_rank_by_rank"
@@ -173,7 +175,9 @@ def test_bad_full_optimizer_state_on_one_rank_fails_there_alone(use_orig_params)
 
 @distributed_test(world_size=2, timeout=POOL_TIMEOUT)
 def test_local_model_state_dict_loads_rank_by_rank():
-    """``use_orig_params=False``: a LOCAL state dict (each unit's flat shard) loads without communicating."""
+    """``use_orig_params=False``: FSDP1 loads its LOCAL state dict (each unit's flat shard) without
+    communicating. Ours loads its earlier per-parameter LOCAL files so; its LOCAL files now being FSDP1's
+    flat format, reading those gathers each unit (README, "Which calls communicate")."""
     def local_round_trip(wrapper_class: type) -> tuple[nn.Module, Any]:
         model, _ = build(wrapper_class, False)
         api = api_of(wrapper_class)
@@ -190,15 +194,14 @@ def test_local_model_state_dict_loads_rank_by_rank():
         return load
 
     fsdp1_completes("load_state_dict_local-orig0", fsdp1)
-    model, saved = local_round_trip(FSDP)
-    expected = diff.model_state(model)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
+    model = golden_local.make_model(seed=1).to(diff.device())
+    model = FSDP(model, auto_wrap_policy=fsdp_compat.wrap.ModuleWrapPolicy(set(golden_local.UNIT_CLASSES)),
+                 ignored_modules=[model.side], process_group=short_timeout_group())
+    saved = golden_local.load_local_file(earlier_local.rank_path(dist.get_rank()))
     with FSDP.state_dict_type(model, fsdp_compat.StateDictType.LOCAL_STATE_DICT):
         completes(lambda: model.load_state_dict(saved))
     after = diff.model_state(model)
-    for name, value in expected.items():
+    for name, value in earlier_local.expected_values().items():
         assert torch.equal(after[name], value), name
 
 
