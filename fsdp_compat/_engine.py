@@ -85,8 +85,8 @@ _require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetc
                  "set_requires_gradient_sync", "set_requires_all_reduce", "set_gradient_divide_factor",
                  "set_force_sum_reduction_for_comms", "set_custom_reduce_scatter", "set_all_reduce_hook",
                  "_get_fsdp_state")
-_require_methods(FSDPParam, "reset_sharded_param")
-_require_methods(FSDPParamGroup, "_init_mp_dtypes")
+_require_methods(FSDPParam, "reset_sharded_param", "init_unsharded_param", "to_unsharded")
+_require_methods(FSDPParamGroup, "_init_mp_dtypes", "wait_for_unshard")
 
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
     from torch.distributed._shard.metadata import ShardMetadata
@@ -106,6 +106,7 @@ def apply_engine(module: nn.Module, *, mesh: DeviceMesh, replicate_only: bool, r
                         else fully_shard(module, reshard_after_forward=reshard_after_forward, **options))
     for group in param_groups(unit):
         _accumulate_in_compute_dtype(group)
+        _unshard_in_place_on_one_rank(group)
         for fsdp_param in group.fsdp_params:
             _keep_own_mesh(fsdp_param)
     return unit
@@ -171,6 +172,86 @@ def _accumulate_in_compute_dtype(group: FSDPParamGroup) -> None:
                 p for p in wider if id(p) not in changed]
 
     group._init_mp_dtypes = init_mp_dtypes_then_compute_dtype_accumulation  # type: ignore[method-assign]
+
+
+_IN_PLACE = "_fsdp_compat_in_place"  # on an unsharded parameter that views the sharded storage
+
+
+def _unshard_in_place_on_one_rank(group: FSDPParamGroup) -> None:
+    """Where ``group`` gathers over one rank (``NO_SHARD``: ``replicate``; any unit at world size 1), make its
+    unsharded parameters views of the sharded storage instead of copies, as FSDP1's ``NO_SHARD`` computes on
+    its flat parameter itself. The engine copies every parameter into a buffer of its own there
+    (``wait_for_unshard``'s one-rank branch), kept from forward to the end of backward: one more copy of the
+    parameters at the step's peak, and a pass over them per unshard. Parameters whose unsharded form differs
+    from the stored one (a ``param_dtype`` cast, storage on another device under CPU offload, a tensor
+    subclass's pre-all-gather, a padded or ``DTensor`` parameter) keep the engine's copy."""
+    wait_for_unshard = group.wait_for_unshard
+
+    @functools.wraps(wait_for_unshard)
+    def wait_for_unshard_in_place() -> None:
+        if group._all_gather_result is None or group.is_unsharded or _gathers_over_ranks(group):
+            wait_for_unshard()
+            return
+        params = group.fsdp_params
+        in_place = [fsdp_param for fsdp_param in params if _unshardable_in_place(fsdp_param)]
+        if not in_place:
+            wait_for_unshard()
+            return
+        # The engine's own path for the others (and its bookkeeping: events, state), then views for these.
+        viewed = {id(fsdp_param) for fsdp_param in in_place}
+        group.fsdp_params = [fsdp_param for fsdp_param in params if id(fsdp_param) not in viewed]
+        try:
+            wait_for_unshard()
+        finally:
+            group.fsdp_params = params
+        for fsdp_param in in_place:
+            _view_sharded_storage(fsdp_param)
+            fsdp_param.to_unsharded()
+
+    group.wait_for_unshard = wait_for_unshard_in_place  # type: ignore[method-assign]
+    for fsdp_param in group.fsdp_params:
+        _leave_engine_copy_when_not_in_place(fsdp_param)
+
+
+def _gathers_over_ranks(group: FSDPParamGroup) -> bool:
+    # The engine's own test (``replicate``'s mesh info is no ``FSDPMeshInfo``: no gather at all).
+    return isinstance(group.mesh_info, FSDPMeshInfo) and group._all_gather_process_group.size() > 1
+
+
+def _unshardable_in_place(fsdp_param: FSDPParam) -> bool:
+    data = fsdp_param._sharded_param_data
+    return (not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
+            and fsdp_param._unsharded_dtensor_spec is None
+            and fsdp_param.param_dtype in (None, data.dtype)
+            and data.device == fsdp_param.device
+            and data.numel() == fsdp_param._orig_size.numel())
+
+
+def _view_sharded_storage(fsdp_param: FSDPParam) -> None:
+    """Register (once per storage) an unsharded parameter viewing the sharded data. Nothing is left in
+    ``all_gather_outputs`` for the reshard to free: the storage is the sharded parameter's."""
+    data = fsdp_param._sharded_param_data
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    if (unsharded is None or not getattr(unsharded, _IN_PLACE, False) or unsharded.dtype != data.dtype
+            or unsharded.data_ptr() != data.data_ptr()):  # new storage: after ``_apply``, a load, a re-point
+        unsharded = nn.Parameter(data.view(fsdp_param._orig_size), requires_grad=fsdp_param.sharded_param.requires_grad)
+        setattr(unsharded, _IN_PLACE, True)
+        fsdp_param._unsharded_param = unsharded
+        fsdp_param.all_gather_outputs = []
+
+
+def _leave_engine_copy_when_not_in_place(fsdp_param: FSDPParam) -> None:
+    """A parameter that stops being unshardable in place (its dtype or device changed) gets the engine's
+    own unsharded parameter back: ``init_unsharded_param`` builds one only where none exists."""
+    init_unsharded_param = fsdp_param.init_unsharded_param
+
+    @functools.wraps(init_unsharded_param)
+    def init_unsharded_param_over_engine_copy() -> None:
+        if getattr(getattr(fsdp_param, "_unsharded_param", None), _IN_PLACE, False):
+            del fsdp_param._unsharded_param
+        init_unsharded_param()
+
+    fsdp_param.init_unsharded_param = init_unsharded_param_over_engine_copy  # type: ignore[method-assign]
 
 
 def engine_state(module: nn.Module | FSDPModule) -> FSDPState | None:
