@@ -107,6 +107,7 @@ def apply_engine(module: nn.Module, *, mesh: DeviceMesh, replicate_only: bool, r
     for group in param_groups(unit):
         _accumulate_in_compute_dtype(group)
         _unshard_in_place_on_one_rank(group)
+        _reduce_in_place_on_one_rank(group)
         for fsdp_param in group.fsdp_params:
             _keep_own_mesh(fsdp_param)
     return unit
@@ -211,6 +212,36 @@ def _unshard_in_place_on_one_rank(group: FSDPParamGroup) -> None:
     group.wait_for_unshard = wait_for_unshard_in_place  # type: ignore[method-assign]
     for fsdp_param in group.fsdp_params:
         _leave_engine_copy_when_not_in_place(fsdp_param)
+
+
+class _ReduceInPlaceOnOneRank(ReduceScatter):
+    """The reduce-scatter of a group that scatters over one rank (``NO_SHARD``: ``replicate``; world size 1).
+    There the engine allocates its reduce-scatter output, the size of the input, and copies the input into
+    it in place of a collective: the gradients held twice and one more pass over them per unit and step
+    (FSDP1's ``NO_SHARD`` all-reduces its flat gradient in place). Handing the input back as that output
+    makes the copy a no-op (``copy_`` of a tensor onto itself returns at once); the all-reduce and the
+    sharded gradients then use the input's buffer. Never called as a collective: the engine only calls it
+    over more than one rank."""
+
+    def __init__(self) -> None:
+        self._input: torch.Tensor | None = None
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        reduce_input, self._input = self._input, None
+        if (reduce_input is not None and reduce_input.shape == torch.Size(size) and reduce_input.dtype == dtype
+                and reduce_input.device == device):
+            return reduce_input  # the output, asked for right after the input
+        self._input = torch.empty(size, dtype=dtype, device=device)
+        return self._input
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 op: Any, async_op: bool = False) -> None:
+        raise AssertionError("a reduce-scatter over one rank is a copy, not a collective")
+
+
+def _reduce_in_place_on_one_rank(group: FSDPParamGroup) -> None:
+    if not isinstance(group.mesh_info, FSDPMeshInfo) or group._reduce_scatter_process_group.size() == 1:
+        group._reduce_scatter_comm = _ReduceInPlaceOnOneRank()
 
 
 def _gathers_over_ranks(group: FSDPParamGroup) -> bool:
