@@ -75,7 +75,7 @@ try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, unsafe_setattr_param
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, alloc_storage, unsafe_setattr_param
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 except ImportError as _error:
@@ -85,7 +85,7 @@ _require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetc
                  "set_requires_gradient_sync", "set_requires_all_reduce", "set_gradient_divide_factor",
                  "set_force_sum_reduction_for_comms", "set_custom_reduce_scatter", "set_all_reduce_hook",
                  "_get_fsdp_state")
-_require_methods(FSDPParam, "reset_sharded_param", "init_unsharded_param", "to_unsharded")
+_require_methods(FSDPParam, "reset_sharded_param", "init_unsharded_param", "to_unsharded", "init_all_gather_outputs")
 _require_methods(FSDPParamGroup, "_init_mp_dtypes", "wait_for_unshard")
 
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
@@ -183,9 +183,11 @@ def _unshard_in_place_on_one_rank(group: FSDPParamGroup) -> None:
     unsharded parameters views of the sharded storage instead of copies, as FSDP1's ``NO_SHARD`` computes on
     its flat parameter itself. The engine copies every parameter into a buffer of its own there
     (``wait_for_unshard``'s one-rank branch), kept from forward to the end of backward: one more copy of the
-    parameters at the step's peak, and a pass over them per unshard. Parameters whose unsharded form differs
-    from the stored one (a ``param_dtype`` cast, storage on another device under CPU offload, a tensor
-    subclass's pre-all-gather, a padded or ``DTensor`` parameter) keep the engine's copy."""
+    parameters at the step's peak, and a pass over them per unshard. Where the unsharded form differs from the
+    stored one (a ``param_dtype`` cast, storage on the CPU under CPU offload) it is written by one copy from
+    the stored data, cast and moved at once, where the engine casts (or moves) into a temporary first and
+    then copies that: FSDP1's one cast per unshard. A tensor subclass's pre-all-gather, a padded or a
+    ``DTensor`` parameter keep the engine's path."""
     wait_for_unshard = group.wait_for_unshard
 
     @functools.wraps(wait_for_unshard)
@@ -194,19 +196,22 @@ def _unshard_in_place_on_one_rank(group: FSDPParamGroup) -> None:
             wait_for_unshard()
             return
         params = group.fsdp_params
-        in_place = [fsdp_param for fsdp_param in params if _unshardable_in_place(fsdp_param)]
-        if not in_place:
+        mine = [fsdp_param for fsdp_param in params if _plain_on_one_rank(fsdp_param)]
+        if not mine:
             wait_for_unshard()
             return
-        # The engine's own path for the others (and its bookkeeping: events, state), then views for these.
-        viewed = {id(fsdp_param) for fsdp_param in in_place}
-        group.fsdp_params = [fsdp_param for fsdp_param in params if id(fsdp_param) not in viewed]
+        # The engine's own path for the others (and its bookkeeping: events, state), then these.
+        handled = {id(fsdp_param) for fsdp_param in mine}
+        group.fsdp_params = [fsdp_param for fsdp_param in params if id(fsdp_param) not in handled]
         try:
             wait_for_unshard()
         finally:
             group.fsdp_params = params
-        for fsdp_param in in_place:
-            _view_sharded_storage(fsdp_param)
+        for fsdp_param in mine:
+            if _unshardable_in_place(fsdp_param):
+                _view_sharded_storage(fsdp_param)
+            else:
+                _copy_sharded_storage(fsdp_param)
             fsdp_param.to_unsharded()
 
     group.wait_for_unshard = wait_for_unshard_in_place  # type: ignore[method-assign]
@@ -249,13 +254,28 @@ def _gathers_over_ranks(group: FSDPParamGroup) -> bool:
     return isinstance(group.mesh_info, FSDPMeshInfo) and group._all_gather_process_group.size() > 1
 
 
-def _unshardable_in_place(fsdp_param: FSDPParam) -> bool:
-    data = fsdp_param._sharded_param_data
+def _plain_on_one_rank(fsdp_param: FSDPParam) -> bool:
+    """Its unsharded parameter is its stored data, whole, possibly in another dtype or on another device."""
     return (not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
             and fsdp_param._unsharded_dtensor_spec is None
-            and fsdp_param.param_dtype in (None, data.dtype)
-            and data.device == fsdp_param.device
-            and data.numel() == fsdp_param._orig_size.numel())
+            and fsdp_param._sharded_param_data.numel() == fsdp_param._orig_size.numel())
+
+
+def _unshardable_in_place(fsdp_param: FSDPParam) -> bool:
+    data = fsdp_param._sharded_param_data
+    return fsdp_param.param_dtype in (None, data.dtype) and data.device == fsdp_param.device
+
+
+def _copy_sharded_storage(fsdp_param: FSDPParam) -> None:
+    """The engine's unsharded buffer, written by one cast-and-move copy of the stored data."""
+    data = fsdp_param._sharded_param_data
+    fsdp_param.init_all_gather_outputs([data.numel()], [fsdp_param.param_dtype or data.dtype], 1, fsdp_param.device)
+    output = fsdp_param.all_gather_outputs[0]
+    alloc_storage(output)
+    # As the engine: autograd must not see a new version (a recompute saves the same parameter again).
+    with torch.autograd._unsafe_preserve_version_counter(output):
+        output.copy_(data, non_blocking=fsdp_param.offload_to_cpu)
+    fsdp_param.init_unsharded_param()
 
 
 def _view_sharded_storage(fsdp_param: FSDPParam) -> None:
