@@ -17,6 +17,7 @@ METRICS = (
     ("step_time_s", "step time (s, median)", "{:.4f}"),
     ("step_cpu_s", "step CPU time (s, median)", "{:.4f}"),
     ("peak_mb", "peak memory over baseline (MB/rank)", "{:.1f}"),
+    ("step_tensor_peak_mb", "  tensors only, over the step's start (CPU)", "{:.2f}"),
     ("state_mb", "params+grads+optim state (MB/rank)", "{:.2f}"),
     ("comm_count", "collectives per step", "{:.0f}"),
     ("comm_by_type", "  by type", "{}"),
@@ -42,6 +43,7 @@ TARGETS = (
     ("step_cpu_s", "fully_shard", 1.02),
     ("step_cpu_s", "fsdp1", 1.00),
     ("peak_mb", "fsdp1", 1.00),
+    ("step_tensor_peak_mb", "fsdp1", 1.00),
     ("full_sd_rank0_s", "fsdp1", 1.00),
     ("comm_vs_min", None, 1.01),
 )

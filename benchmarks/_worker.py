@@ -36,7 +36,7 @@ from _engines import (CONFIGS, MODELS, QUICK_MODELS, Engine, ModelSpec, RunConte
                       config_model, make_engine, parameter_count)
 from fsdp_compat._common import exit_without_finalizing
 from fsdp_compat.examples import Block
-from _memory import PeakMemory
+from _memory import AllocatorPeak, PeakMemory
 from fsdp_compat.examples import synthetic_batch
 
 _MB = 1024 * 1024
@@ -347,6 +347,11 @@ def _train(spec: RunSpec, engine: Engine, model: nn.Module, device: torch.device
             record.data["comm"]["train_step"] = counter.stats.as_dict()
             record.set("comm_traffic_mb", counter.stats.as_dict()["traffic_bytes"] / _MB)
             record.set("comm_count", counter.stats.as_dict()["count"])
+        if device.type == "cpu":
+            with record.guard("step_tensor_peak_mb"), record.phase("tensor_peak"):
+                with AllocatorPeak() as tensor_peak:
+                    trainer.step()
+                record.set("step_tensor_peak_mb", tensor_peak.peak / _MB)
         with record.guard("copies_per_step", "copy_mb_per_step"), record.phase("count_copies"):
             with CopyCounter() as copies:
                 trainer.step()
