@@ -71,8 +71,9 @@ class PeakMemory:
 
 
 class AllocatorPeak:
-    """Peak rise of the allocators' live tensor bytes over a ``with`` block, from the profiler's allocation
-    events (every allocation and free the CPU and CUDA allocators report, in order). On a CPU it is what
+    """Peak of the live bytes of the tensors allocated inside a ``with`` block, from the profiler's allocation
+    events (every allocation and free the CPU and CUDA allocators report, in order; a free of memory allocated
+    before the block is not reported, so those stay counted as held). On a CPU the nearest to what
     ``max_memory_allocated`` is on a GPU: tensors only, exact and the same on every run, where the RSS also
     holds the interpreter's objects, imported code and freed heap memory not yet returned to the system."""
 

@@ -17,7 +17,7 @@ METRICS = (
     ("step_time_s", "step time (s, median)", "{:.4f}"),
     ("step_cpu_s", "step CPU time (s, median)", "{:.4f}"),
     ("peak_mb", "peak memory over baseline (MB/rank)", "{:.1f}"),
-    ("step_tensor_peak_mb", "  tensors only, over the step's start (CPU)", "{:.2f}"),
+    ("step_tensor_peak_mb", "  tensors made in the step, peak (CPU)", "{:.2f}"),
     ("state_mb", "params+grads+optim state (MB/rank)", "{:.2f}"),
     ("comm_count", "collectives per step", "{:.0f}"),
     ("comm_by_type", "  by type", "{}"),

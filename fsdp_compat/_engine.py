@@ -196,6 +196,11 @@ def _unshard_in_place_on_one_rank(group: FSDPParamGroup) -> None:
             wait_for_unshard()
             return
         params = group.fsdp_params
+        # FSDP1's NO_SHARD frees its low-precision copy after forward and casts again before backward (its
+        # ``post_reshard``), the stored parameters being full already: the same here, for units that cast.
+        casts = any(fsdp_param.param_dtype not in (None, fsdp_param._sharded_param_data.dtype) for fsdp_param in params)
+        # (compared with ``mesh_info`` only, never gathered over)
+        group.post_forward_mesh_info = cast(FSDPMeshInfo, group.mesh_info) if casts else None
         mine = [fsdp_param for fsdp_param in params if _plain_on_one_rank(fsdp_param)]
         if not mine:
             wait_for_unshard()
@@ -247,6 +252,32 @@ class _ReduceInPlaceOnOneRank(ReduceScatter):
 def _reduce_in_place_on_one_rank(group: FSDPParamGroup) -> None:
     if not isinstance(group.mesh_info, FSDPMeshInfo) or group._reduce_scatter_process_group.size() == 1:
         group._reduce_scatter_comm = _ReduceInPlaceOnOneRank()
+    if not isinstance(group.mesh_info, FSDPMeshInfo):
+        _release_all_reduce_buffer(group)
+
+
+def _release_all_reduce_buffer(group: FSDPParamGroup) -> None:
+    """``replicate`` (``NO_SHARD``) keeps each unit's all-reduce buffer (``_all_reduce_state``) until the end of
+    backward, so that the allocator does not hand it to another unit while the all-reduce may still run on its
+    stream. Under ``reduce_dtype`` the gradients are cast out of it right away, so every unit's buffer in the
+    reduce dtype stays alive through the rest of backward (FSDP1 frees its reduced flat gradient once cast).
+    Released after each unit's post-backward instead; on a GPU the buffer is recorded on the all-reduce stream
+    first, so the allocator still waits for that stream's work before reusing it (FSDP1's way); on a CPU, with
+    no streams, nothing can still use it. The state's event stays for the engine's waits."""
+    post_backward = group.post_backward
+
+    @functools.wraps(post_backward)
+    def post_backward_then_release(*args: Any, **kwargs: Any) -> Any:
+        result = post_backward(*args, **kwargs)
+        state = group._all_reduce_state
+        if state is not None and state.all_reduce_input.numel() > 0:
+            buffer = state.all_reduce_input
+            if buffer.device.type != "cpu":
+                buffer.record_stream(group.comm_ctx.all_reduce_stream)  # where replicate all-reduces
+            group._all_reduce_state = state._replace(all_reduce_input=buffer.new_empty(0))
+        return result
+
+    group.post_backward = post_backward_then_release  # type: ignore[method-assign]
 
 
 def _gathers_over_ranks(group: FSDPParamGroup) -> bool:

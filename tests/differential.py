@@ -290,9 +290,10 @@ class AllGatherLog(TorchDispatchMode):
 
 
 class AllocatorPeak:
-    """Peak rise of the allocators' live bytes over a ``with`` block, from the profiler's allocation events
-    (every allocation and free the CPU and CUDA allocators report, in order): exact, the same on every run,
-    and it sees what a dispatch-level count misses, such as a storage re-grown by ``resize_``."""
+    """Peak of the live bytes allocated inside a ``with`` block, from the profiler's allocation events (every
+    allocation and free the CPU and CUDA allocators report, in order; frees of memory allocated before the
+    block are not reported): exact, the same on every run, and it sees what a dispatch-level count misses,
+    such as a storage re-grown by ``resize_``."""
 
     def __init__(self) -> None:
         self.peak = 0
