@@ -149,3 +149,41 @@ def theoretical_min_traffic(strategy: str, param_bytes: int, world_size: int,
         replicas, shard = hybrid_mesh or (1, world_size)
         return 3 * param_bytes * share(shard) + 2 * (param_bytes / shard) * share(replicas)
     raise ValueError(f"no theoretical minimum for {strategy}")
+
+
+# Ops that copy tensor data without computing anything new: dtype casts, device copies, gathers' copy-in and
+# copy-out, gradient packing. ``copy_`` of a tensor onto itself moves nothing and is not counted.
+_COPY_OPS = ("copy_", "_to_copy", "clone", "cat", "chunk_cat", "split_with_sizes_copy", "_foreach_copy_",
+             "index_select")
+
+
+class CopyCounter(TorchDispatchMode):
+    """Data-moving ops of one step by name, with the bytes they write (a CPU proxy for the passes over
+    parameters and gradients an engine makes: casts, unshard copies, gradient copy-in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _COPY_OPS and not (name == "copy_" and args[0] is args[1]):
+            written = kwargs.get("out") if kwargs and "out" in kwargs else out
+            leaves, _ = tree_flatten(written)
+            entry = self.by_op[name]
+            entry[0] += 1
+            entry[1] += sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        return out
+
+    @property
+    def count(self) -> int:
+        return sum(entry[0] for entry in self.by_op.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(entry[1] for entry in self.by_op.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: {"count": entry[0], "bytes": entry[1]} for name, entry in sorted(self.by_op.items())}

@@ -46,6 +46,47 @@ QUICK_MODELS = {
 }
 
 
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One of issue 35's training configurations: how the model is wrapped and stepped, and its model at
+    three scales (``gpu``: the issue's sizes; ``cpu``: what a 2-core CPU machine runs in minutes;
+    ``quick``: the smoke test's)."""
+
+    gpu: ModelSpec
+    cpu: ModelSpec
+    bf16: bool = False  # MixedPrecision(param_dtype, reduce_dtype, buffer_dtype = bfloat16)
+    use_orig_params: bool = False
+    activation_checkpointing: bool = False  # torch's apply_activation_checkpointing on every block
+    cpu_offload: bool = False  # CPUOffload(offload_params=True); raw FSDP2: CPUOffloadPolicy()
+    fused_adamw: bool = False  # AdamW(fused=True) (where the parameters are not offloaded)
+
+
+_VOCAB = 50304  # GPT-2's vocabulary, padded
+_GPT_1P3B = ModelSpec(GPTConfig(vocab_size=_VOCAB, block_size=1024, n_layer=24, n_head=16, n_embd=2048), 4)
+_CPU_SMALL = MODELS["small"]
+# bfloat16 matrix products are emulated on CPUs without bf16 instructions (10x fp32's time here): a
+# narrower model keeps the CPU fallback's bf16 steps near the fp32 ones.
+_CPU_BF16 = ModelSpec(GPTConfig(vocab_size=2053, block_size=64, n_layer=6, n_head=4, n_embd=128), 2)
+# The issue's five configurations (``--configs``). Every one trains with AdamW and clip_grad_norm_ each step.
+CONFIGS = {
+    "bf16": TrainConfig(_GPT_1P3B, _CPU_BF16, bf16=True, fused_adamw=True),
+    "bf16_orig": TrainConfig(_GPT_1P3B, _CPU_BF16, bf16=True, fused_adamw=True, use_orig_params=True),
+    "bf16_ac": TrainConfig(_GPT_1P3B, _CPU_BF16, bf16=True, fused_adamw=True, activation_checkpointing=True),
+    "fp32_40m": TrainConfig(ModelSpec(GPTConfig(vocab_size=_VOCAB, block_size=512, n_layer=6, n_head=8,
+                                                n_embd=512), 8), _CPU_SMALL),
+    "offload_150m": TrainConfig(ModelSpec(GPTConfig(vocab_size=_VOCAB, block_size=512, n_layer=16, n_head=12,
+                                                    n_embd=768), 4), _CPU_BF16, bf16=True, cpu_offload=True),
+}
+
+
+def config_model(config: str, scale: str) -> ModelSpec:
+    """The model of ``config`` at ``scale`` (gpu, cpu or quick)."""
+    if scale == "quick":
+        return QUICK_MODELS["small"]
+    return getattr(CONFIGS[config], scale)
+
+
 def build_meta_model(spec: ModelSpec) -> TinyGPT:
     """The GPT with every parameter and buffer on the meta device (no memory yet)."""
     with torch.device("meta"):
@@ -66,6 +107,7 @@ class RunContext:
     world_size: int
     hybrid_mesh: tuple[int, int]
     use_orig_params: bool = False  # FSDP1-style engines only
+    train: TrainConfig | None = None  # ``--configs``: mixed precision, offload, activation checkpointing
     _meshes: dict[tuple[int, ...], DeviceMesh] | None = None
 
     @abstractmethod
@@ -90,6 +132,14 @@ class Engine(ABC):
     @abstractmethod
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The FULL (unsharded) model state dict, on every rank."""
+
+    @abstractmethod
+    def full_state_dict_offloaded(self, model: nn.Module, offload: bool) -> dict[str, Any]:
+        """The FULL model state dict on rank 0 (``offload_to_cpu=offload``), as issue 35 times it."""
+
+    @abstractmethod
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> Any:
+        """The engine's gradient clipping (FSDP1: the wrapper's method; FSDP2: torch's function)."""
 
     @abstractmethod
     def model_state(self, model: nn.Module) -> dict[str, Any]:
@@ -128,7 +178,25 @@ class FSDP1StyleEngine(Engine):
             kwargs["device_mesh"] = ctx.mesh(ctx.hybrid_mesh)
         if self.keep_ties_at_init:
             kwargs["param_init_fn"] = tie_preserving_init(model, ctx.device)
-        return self.fsdp(model, **kwargs)
+        train = ctx.train
+        if train is not None and train.bf16:
+            kwargs["mixed_precision"] = self.api.MixedPrecision(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+        if train is not None and train.cpu_offload:
+            kwargs["cpu_offload"] = self.api.CPUOffload(offload_params=True)
+        wrapped = self.fsdp(model, **kwargs)
+        if train is not None and train.activation_checkpointing:
+            _checkpoint_blocks(wrapped)
+        return wrapped
+
+    def full_state_dict_offloaded(self, model: nn.Module, offload: bool) -> dict[str, Any]:
+        """FULL with ``rank0_only=True`` and ``offload_to_cpu=offload`` (issue 35's checkpoint figure)."""
+        config = self.api.FullStateDictConfig(offload_to_cpu=offload, rank0_only=True)
+        with self.fsdp.state_dict_type(model, self.api.StateDictType.FULL_STATE_DICT, config):
+            return model.state_dict()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> Any:
+        return model.clip_grad_norm_(max_norm)
 
     def _sharded(self, model: nn.Module) -> Any:
         return self.fsdp.state_dict_type(model, self.api.StateDictType.SHARDED_STATE_DICT)
@@ -177,25 +245,45 @@ class RawFSDP2Engine(Engine):
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import fully_shard
 
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        train = ctx.train
+        options: dict[str, Any] = {}
+        if train is not None and train.bf16:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        if train is not None:
+            options["offload_policy"] = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if train.cpu_offload
+                                         else OffloadPolicy())
+        if train is not None and train.activation_checkpointing:
+            _checkpoint_blocks(model)
         units = [*model.blocks, model]
         if ctx.strategy == "NO_SHARD" and not self.replicate_as_hsdp:
             for unit in units:
-                replicate(unit, mesh=ctx.mesh((ctx.world_size,)))
+                replicate(unit, mesh=ctx.mesh((ctx.world_size,)), **options)
         else:
             shape = {"HYBRID_SHARD": ctx.hybrid_mesh,
                      "NO_SHARD": (ctx.world_size, 1)}.get(ctx.strategy, (ctx.world_size,))
             mesh = ctx.mesh(shape)
             reshard = _RAW_RESHARD[ctx.strategy]
             for block in model.blocks:
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(model, mesh=mesh, reshard_after_forward=None if reshard else False)
-        _materialize(model, ctx.device)
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **options)
+            fully_shard(model, mesh=mesh, reshard_after_forward=None if reshard else False, **options)
+        _materialize(model, torch.device("cpu") if train is not None and train.cpu_offload else ctx.device)
         return model
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def full_state_dict_offloaded(self, model: nn.Module, offload: bool) -> dict[str, Any]:
+        """torch's nearest call: FULL with ``cpu_offload`` (which also keeps it on rank 0 only)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> Any:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -216,6 +304,14 @@ class RawFSDP2Engine(Engine):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(model, optim, state)
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """torch's ``apply_activation_checkpointing`` on every transformer block (non-reentrant), the FSDP1
+    recipe: after wrapping for FSDP1-style engines, before ``fully_shard`` for raw FSDP2."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
 
 
 def tie_preserving_init(model: nn.Module, device: torch.device) -> Callable[[nn.Module], None]:

@@ -68,3 +68,34 @@ class PeakMemory:
         if self.method == "rss_hwm":
             return (_status_kb("VmHWM") or 0) / 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class AllocatorPeak:
+    """Peak of the live bytes of the tensors allocated inside a ``with`` block, from the profiler's allocation
+    events (every allocation and free the CPU and CUDA allocators report, in order; a free of memory allocated
+    before the block is not reported, so those stay counted as held). On a CPU the nearest to what
+    ``max_memory_allocated`` is on a GPU: tensors only, exact and the same on every run, where the RSS also
+    holds the interpreter's objects, imported code and freed heap memory not yet returned to the system."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self) -> AllocatorPeak:
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._profile.__exit__(*exc)
+        from torch._C._profiler import _EventType
+
+        sizes, nodes = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
+        while nodes:
+            node = nodes.pop()
+            nodes.extend(node.children)
+            if node.tag == _EventType.Allocation:
+                sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        live = 0
+        for _, size in sorted(sizes, key=lambda item: item[0]):
+            live += size
+            self.peak = max(self.peak, live)

@@ -31,11 +31,12 @@ from torch.distributed.tensor import DTensor
 
 from _checkpoints import measure_paths, unit_full_mb
 from _comm import CollectiveCounter
-from _engines import (MODELS, QUICK_MODELS, Engine, ModelSpec, RunContext, build_meta_model, make_engine,
-                      parameter_count)
+from _comm import CopyCounter
+from _engines import (CONFIGS, MODELS, QUICK_MODELS, Engine, ModelSpec, RunContext, build_meta_model,
+                      config_model, make_engine, parameter_count)
 from fsdp_compat._common import exit_without_finalizing
 from fsdp_compat.examples import Block
-from _memory import PeakMemory
+from _memory import AllocatorPeak, PeakMemory
 from fsdp_compat.examples import synthetic_batch
 
 _MB = 1024 * 1024
@@ -66,9 +67,13 @@ class RunSpec:
     checkpoints: bool = False  # the checkpoint-path suite (_checkpoints) instead of training steps
     checkpoint_calls: int = 3  # timed calls per checkpoint path (median)
     use_orig_params: bool = False  # FSDP1-style engines (FSDP1's default is False)
+    config: bool = False  # ``--configs``: ``model`` names one of issue 35's configurations (_engines.CONFIGS)
+    scale: str = "cpu"  # --configs: the configuration's model at gpu, cpu or quick scale
 
     @property
     def model_spec(self) -> ModelSpec:
+        if self.config:
+            return config_model(self.model, "quick" if self.quick else self.scale)
         return (QUICK_MODELS if self.quick else MODELS)[self.model]
 
 
@@ -144,9 +149,11 @@ class Trainer:
     """Training steps on this rank's slice of deterministic synthetic batches."""
 
     def __init__(self, model: nn.Module, spec: ModelSpec, device: torch.device, rank: int, world_size: int,
-                 foreach: bool | None = None) -> None:
+                 foreach: bool | None = None, fused: bool | None = None,
+                 clip: Callable[[], Any] | None = None) -> None:
         self.model = model
-        self.optim = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
+        self.optim = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach, fused=fused)
+        self.clip = clip  # clip_grad_norm_ between backward and step (issue 35's configurations)
         per_rank, config = spec.batch_per_rank, spec.config
         # Built once, outside the timed steps.
         self.batches = []
@@ -163,6 +170,8 @@ class Trainer:
         logits = self.model(tokens)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()
+        if self.clip is not None:
+            self.clip()
         self.optim.step()
 
 
@@ -224,8 +233,10 @@ def _measure(rank: int, spec: RunSpec, device: torch.device, record: Record) -> 
     memory = PeakMemory(device)
     record.data["memory_method"] = memory.method
     engine = make_engine(spec.engine)
+    train = CONFIGS[spec.model] if spec.config else None
     ctx = RunContext(spec.strategy, device, spec.world_size, spec.hybrid_mesh,
-                     use_orig_params=spec.use_orig_params)
+                     use_orig_params=train.use_orig_params if train is not None else spec.use_orig_params,
+                     train=train)
     if spec.strategy == "HYBRID_SHARD" or spec.engine == "fully_shard_ws1":
         ctx.mesh(spec.hybrid_mesh if spec.strategy == "HYBRID_SHARD" else (spec.world_size, 1))
     dist.barrier()
@@ -295,7 +306,13 @@ class _PathProfiles:
 def _train(spec: RunSpec, engine: Engine, model: nn.Module, device: torch.device,
            memory: PeakMemory, baseline_mb: float, record: Record) -> None:
     rank = dist.get_rank()
-    trainer = Trainer(model, spec.model_spec, device, rank, spec.world_size, spec.foreach)
+    train = CONFIGS[spec.model] if spec.config else None
+    if train is None:
+        trainer = Trainer(model, spec.model_spec, device, rank, spec.world_size, spec.foreach)
+    else:  # fused AdamW only where the parameters live on the compute device, as the issue ran it
+        fused = True if train.fused_adamw and not train.cpu_offload and device.type == "cuda" else None
+        trainer = Trainer(model, spec.model_spec, device, rank, spec.world_size, spec.foreach, fused=fused,
+                          clip=lambda: engine.clip_grad_norm_(model, 1.0))
     with record.phase("warmup"):
         for _ in range(spec.warmup):
             trainer.step()
@@ -330,7 +347,42 @@ def _train(spec: RunSpec, engine: Engine, model: nn.Module, device: torch.device
             record.data["comm"]["train_step"] = counter.stats.as_dict()
             record.set("comm_traffic_mb", counter.stats.as_dict()["traffic_bytes"] / _MB)
             record.set("comm_count", counter.stats.as_dict()["count"])
+        if device.type == "cpu":
+            with record.guard("step_tensor_peak_mb"), record.phase("tensor_peak"):
+                with AllocatorPeak() as tensor_peak:
+                    trainer.step()
+                record.set("step_tensor_peak_mb", tensor_peak.peak / _MB)
+        with record.guard("copies_per_step", "copy_mb_per_step"), record.phase("count_copies"):
+            with CopyCounter() as copies:
+                trainer.step()
+            record.data["copies"] = copies.as_dict()
+            record.set("copies_per_step", copies.count)
+            record.set("copy_mb_per_step", copies.bytes / _MB)
+    if spec.config:
+        _full_state_dict_rank0(spec, engine, model, device, memory, record)
+        return
     _state_dict_phases(spec, engine, model, trainer.optim, record)
+
+
+def _full_state_dict_rank0(spec: RunSpec, engine: Engine, model: nn.Module, device: torch.device,
+                           memory: PeakMemory, record: Record) -> None:
+    """Issue 35's checkpoint figure: a FULL model state dict with ``offload_to_cpu=True, rank0_only=True``
+    (torch FSDP1 crashes in that path on a machine without a GPU, so a CPU run passes ``offload_to_cpu=False``,
+    also to the other engines; the JSON's ``full_sd_offload`` says which). Median of three calls."""
+    offload = device.type == "cuda"
+    record.data["full_sd_offload"] = offload
+    with record.guard("full_sd_rank0_s", "full_sd_rank0_peak_mb"), record.phase("full_state_dict_rank0"):
+        engine.full_state_dict_offloaded(model, offload)  # anything lazy happens here, untimed
+        _sync(device)
+        memory.reset()
+        before = memory.current_mb()
+        times = []
+        for _ in range(3):
+            state, seconds = _timed(lambda: engine.full_state_dict_offloaded(model, offload))
+            del state
+            times.append(seconds)
+        record.set("full_sd_rank0_s", statistics.median(times))
+        record.set("full_sd_rank0_peak_mb", memory.peak_mb() - before)
 
 
 def _state_dict_phases(spec: RunSpec, engine: Engine, model: nn.Module, optim: torch.optim.Optimizer,

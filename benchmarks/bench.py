@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import _report  # noqa: E402
-from _engines import MODELS, QUICK_MODELS, STRATEGIES, fsdp1_available, make_engine  # noqa: E402
+from _engines import CONFIGS, MODELS, STRATEGIES, fsdp1_available, make_engine  # noqa: E402
 from _worker import RunSpec, error_text, run_rank  # noqa: E402
 
 ENGINES = ("fsdp_compat", "fsdp1", "fully_shard", "fully_shard_ws1")
@@ -91,14 +91,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "default strategies FULL_SHARD, engines fsdp_compat,fsdp1,fully_shard")
     parser.add_argument("--checkpoint-calls", type=int, default=3,
                         help="timed calls per checkpoint path, after one untimed (default 3)")
+    parser.add_argument("--configs", nargs="?", const=",".join(CONFIGS), default=None,
+                        help="issue 35's training configurations instead of --models/--strategies: comma list of "
+                             f"{', '.join(CONFIGS)} (default all); FULL_SHARD, AdamW, clip_grad_norm_ every step, "
+                             "copies per step, a FULL rank0_only state dict (offload_to_cpu on a GPU)")
+    parser.add_argument("--scale", choices=("gpu", "cpu"), default=None,
+                        help="--configs: the issue's model sizes (gpu; default with NCCL) or the CPU fallback "
+                             "(cpu; 5.3M-parameter GPT for every configuration)")
     parser.add_argument("--use-orig-params", choices=("true", "false"), default=None,
                         help="use_orig_params of fsdp_compat and FSDP1 (default: false, FSDP1's default; "
                              "true with --checkpoints, what Lightning and accelerate use)")
     args = parser.parse_args(argv)
+    if args.configs is not None and args.checkpoints:
+        parser.error("--configs and --checkpoints are separate suites")
     if args.strategies is None:
-        args.strategies = "FULL_SHARD" if args.checkpoints else ",".join(STRATEGIES)
+        args.strategies = "FULL_SHARD" if args.checkpoints or args.configs else ",".join(STRATEGIES)
     if args.engines is None:
-        args.engines = "fsdp_compat,fsdp1,fully_shard" if args.checkpoints else ",".join(ENGINES)
+        args.engines = ("fsdp_compat,fsdp1,fully_shard" if args.checkpoints or args.configs is not None
+                        else ",".join(ENGINES))
     if args.use_orig_params is None:
         args.use_orig_params = "true" if args.checkpoints else "false"
     args.steps = args.steps if args.steps is not None else (2 if args.quick else 3)
@@ -138,8 +148,10 @@ def choose_backend(requested: str, nproc: int) -> str:
 
 def plan_runs(args: argparse.Namespace, engines: list[str], backend: str, mesh: tuple[int, int]) -> list[RunSpec]:
     """Repeat-major order, engines rotated each repeat: interleaved repeats."""
-    models = _split(args.models, list(MODELS), "models")
+    configs = args.configs is not None
+    models = _split(args.configs, list(CONFIGS), "configs") if configs else _split(args.models, list(MODELS), "models")
     strategies = _split(args.strategies, list(STRATEGIES), "strategies")
+    scale = args.scale or ("gpu" if backend == "nccl" else "cpu")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
     runs = []
     for repeat in range(args.repeats):
@@ -160,7 +172,8 @@ def plan_runs(args: argparse.Namespace, engines: list[str], backend: str, mesh: 
                                         count_collectives=repeat == 0,
                                         checkpoints=args.checkpoints,
                                         checkpoint_calls=args.checkpoint_calls,
-                                        use_orig_params=args.use_orig_params == "true"))
+                                        use_orig_params=args.use_orig_params == "true",
+                                        config=configs, scale=scale))
     return runs
 
 
@@ -221,7 +234,7 @@ def _keep_profile(run_dir: Path, spec: RunSpec, profile_dir: str) -> None:
 def _public_spec(spec: RunSpec) -> dict[str, Any]:
     fields = ("model", "strategy", "engine", "repeat", "world_size", "steps", "warmup", "backend",
               "quick", "threads", "fixed_malloc", "foreach", "checkpoints", "checkpoint_calls",
-              "use_orig_params")
+              "use_orig_params", "config", "scale")
     result = {name: getattr(spec, name) for name in fields}
     result["hybrid_mesh"] = list(spec.hybrid_mesh)
     return result
@@ -257,6 +270,17 @@ def _progress(index: int, total: int, run: dict[str, Any]) -> str:
             f"repeat {spec['repeat']}: {step_text} ({run['wall_s']:.1f} s)")
 
 
+def _models_meta(args: argparse.Namespace, runs: list[RunSpec]) -> dict[str, Any]:
+    """Each benchmarked model's sizes (with --configs: each configuration's, and how it trains)."""
+    meta: dict[str, Any] = {}
+    for spec in runs:
+        model = spec.model_spec
+        meta[spec.model] = vars(model.config) | {"batch_per_rank": model.batch_per_rank}
+        if spec.config:
+            meta[spec.model] |= {"train": vars(CONFIGS[spec.model]), "scale": "quick" if spec.quick else spec.scale}
+    return meta
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engines = _split(args.engines, list(ENGINES), "engines")
@@ -278,9 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             "optimizer": f"AdamW(lr=1e-4, foreach={True if args.foreach else None})",
             "malloc": "glibc default" if args.default_malloc else "fixed 128 KiB mmap threshold",
             **machine_info(),
-            "models": {name: vars((QUICK_MODELS if args.quick else MODELS)[name].config)
-                       | {"batch_per_rank": (QUICK_MODELS if args.quick else MODELS)[name].batch_per_rank}
-                       for name in _split(args.models, list(MODELS), "models")}}
+            "models": _models_meta(args, runs)}
     print(f"{len(runs)} runs: {args.nproc} ranks, {backend}, {args.repeats} repeats of "
           f"{args.warmup}+{args.steps} steps", flush=True)
     started = time.monotonic()

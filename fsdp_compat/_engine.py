@@ -75,7 +75,7 @@ try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, unsafe_setattr_param
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, alloc_storage, unsafe_setattr_param
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 except ImportError as _error:
@@ -85,8 +85,8 @@ _require_methods(FSDPModule, "reset_iter_state", "set_modules_to_forward_prefetc
                  "set_requires_gradient_sync", "set_requires_all_reduce", "set_gradient_divide_factor",
                  "set_force_sum_reduction_for_comms", "set_custom_reduce_scatter", "set_all_reduce_hook",
                  "_get_fsdp_state")
-_require_methods(FSDPParam, "reset_sharded_param")
-_require_methods(FSDPParamGroup, "_init_mp_dtypes", "unshard")
+_require_methods(FSDPParam, "reset_sharded_param", "init_unsharded_param", "to_unsharded", "init_all_gather_outputs")
+_require_methods(FSDPParamGroup, "_init_mp_dtypes", "unshard", "wait_for_unshard")
 
 try:  # FSDP1 checkpoints hold ShardedTensor; torch may drop it one day, and FSDP1 with it.
     from torch.distributed._shard.metadata import ShardMetadata
@@ -106,6 +106,8 @@ def apply_engine(module: nn.Module, *, mesh: DeviceMesh, replicate_only: bool, r
                         else fully_shard(module, reshard_after_forward=reshard_after_forward, **options))
     for group in param_groups(unit):
         _accumulate_in_compute_dtype(group)
+        _unshard_in_place_on_one_rank(group)
+        _reduce_in_place_on_one_rank(group)
         for fsdp_param in group.fsdp_params:
             _keep_own_mesh(fsdp_param)
     return unit
@@ -239,6 +241,167 @@ def follow_precision_at_each_unshard(module: nn.Module, wants_full: Callable[[],
             return _unshard(*args, **kwargs)
 
         group.unshard = unshard_in_precision  # type: ignore[method-assign]
+
+
+_IN_PLACE = "_fsdp_compat_in_place"  # on an unsharded parameter that views the sharded storage
+
+
+def _unshard_in_place_on_one_rank(group: FSDPParamGroup) -> None:
+    """Where ``group`` gathers over one rank (``NO_SHARD``: ``replicate``; any unit at world size 1), make its
+    unsharded parameters views of the sharded storage instead of copies, as FSDP1's ``NO_SHARD`` computes on
+    its flat parameter itself. The engine copies every parameter into a buffer of its own there
+    (``wait_for_unshard``'s one-rank branch), kept from forward to the end of backward: one more copy of the
+    parameters at the step's peak, and a pass over them per unshard. Where the unsharded form differs from the
+    stored one (a ``param_dtype`` cast, storage on the CPU under CPU offload) it is written by one copy from
+    the stored data, cast and moved at once, where the engine casts (or moves) into a temporary first and
+    then copies that: FSDP1's one cast per unshard. A tensor subclass's pre-all-gather, a padded or a
+    ``DTensor`` parameter keep the engine's path."""
+    wait_for_unshard = group.wait_for_unshard
+
+    @functools.wraps(wait_for_unshard)
+    def wait_for_unshard_in_place() -> None:
+        if group._all_gather_result is None or group.is_unsharded or _gathers_over_ranks(group):
+            wait_for_unshard()
+            return
+        params = group.fsdp_params
+        # FSDP1's NO_SHARD frees its low-precision copy after forward and casts again before backward (its
+        # ``post_reshard``), the stored parameters being full already: the same here, for units that cast.
+        casts = any(fsdp_param.param_dtype not in (None, fsdp_param._sharded_param_data.dtype) for fsdp_param in params)
+        # (compared with ``mesh_info`` only, never gathered over)
+        group.post_forward_mesh_info = cast(FSDPMeshInfo, group.mesh_info) if casts else None
+        mine = [fsdp_param for fsdp_param in params if _plain_on_one_rank(fsdp_param)]
+        if not mine:
+            wait_for_unshard()
+            return
+        # The engine's own path for the others (and its bookkeeping: events, state), then these.
+        handled = {id(fsdp_param) for fsdp_param in mine}
+        group.fsdp_params = [fsdp_param for fsdp_param in params if id(fsdp_param) not in handled]
+        try:
+            wait_for_unshard()
+        finally:
+            group.fsdp_params = params
+        for fsdp_param in mine:
+            if _unshardable_in_place(fsdp_param):
+                _view_sharded_storage(fsdp_param)
+            else:
+                _copy_sharded_storage(fsdp_param)
+            fsdp_param.to_unsharded()
+
+    group.wait_for_unshard = wait_for_unshard_in_place  # type: ignore[method-assign]
+    for fsdp_param in group.fsdp_params:
+        _leave_engine_copy_when_not_in_place(fsdp_param)
+
+
+class _ReduceInPlaceOnOneRank(ReduceScatter):
+    """The reduce-scatter of a group that scatters over one rank (``NO_SHARD``: ``replicate``; world size 1).
+    There the engine allocates its reduce-scatter output, the size of the input, and copies the input into
+    it in place of a collective: the gradients held twice and one more pass over them per unit and step
+    (FSDP1's ``NO_SHARD`` all-reduces its flat gradient in place). Handing the input back as that output
+    makes the copy a no-op (``copy_`` of a tensor onto itself returns at once); the all-reduce and the
+    sharded gradients then use the input's buffer. Never called as a collective: the engine only calls it
+    over more than one rank."""
+
+    def __init__(self) -> None:
+        self._input: torch.Tensor | None = None
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        reduce_input, self._input = self._input, None
+        if (reduce_input is not None and reduce_input.shape == torch.Size(size) and reduce_input.dtype == dtype
+                and reduce_input.device == device):
+            return reduce_input  # the output, asked for right after the input
+        self._input = torch.empty(size, dtype=dtype, device=device)
+        return self._input
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 op: Any, async_op: bool = False) -> None:
+        raise AssertionError("a reduce-scatter over one rank is a copy, not a collective")
+
+
+def _reduce_in_place_on_one_rank(group: FSDPParamGroup) -> None:
+    if not isinstance(group.mesh_info, FSDPMeshInfo) or group._reduce_scatter_process_group.size() == 1:
+        group._reduce_scatter_comm = _ReduceInPlaceOnOneRank()
+    if not isinstance(group.mesh_info, FSDPMeshInfo):
+        _release_all_reduce_buffer(group)
+
+
+def _release_all_reduce_buffer(group: FSDPParamGroup) -> None:
+    """``replicate`` (``NO_SHARD``) keeps each unit's all-reduce buffer (``_all_reduce_state``) until the end of
+    backward, so that the allocator does not hand it to another unit while the all-reduce may still run on its
+    stream. Under ``reduce_dtype`` the gradients are cast out of it right away, so every unit's buffer in the
+    reduce dtype stays alive through the rest of backward (FSDP1 frees its reduced flat gradient once cast).
+    Released after each unit's post-backward instead; on a GPU the buffer is recorded on the all-reduce stream
+    first, so the allocator still waits for that stream's work before reusing it (FSDP1's way); on a CPU, with
+    no streams, nothing can still use it. The state's event stays for the engine's waits."""
+    post_backward = group.post_backward
+
+    @functools.wraps(post_backward)
+    def post_backward_then_release(*args: Any, **kwargs: Any) -> Any:
+        result = post_backward(*args, **kwargs)
+        state = group._all_reduce_state
+        if state is not None and state.all_reduce_input.numel() > 0:
+            buffer = state.all_reduce_input
+            if buffer.device.type != "cpu":
+                buffer.record_stream(group.comm_ctx.all_reduce_stream)  # where replicate all-reduces
+            group._all_reduce_state = state._replace(all_reduce_input=buffer.new_empty(0))
+        return result
+
+    group.post_backward = post_backward_then_release  # type: ignore[method-assign]
+
+
+def _gathers_over_ranks(group: FSDPParamGroup) -> bool:
+    # The engine's own test (``replicate``'s mesh info is no ``FSDPMeshInfo``: no gather at all).
+    return isinstance(group.mesh_info, FSDPMeshInfo) and group._all_gather_process_group.size() > 1
+
+
+def _plain_on_one_rank(fsdp_param: FSDPParam) -> bool:
+    """Its unsharded parameter is its stored data, whole, possibly in another dtype or on another device."""
+    return (not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
+            and fsdp_param._unsharded_dtensor_spec is None
+            and fsdp_param._sharded_param_data.numel() == fsdp_param._orig_size.numel())
+
+
+def _unshardable_in_place(fsdp_param: FSDPParam) -> bool:
+    data = fsdp_param._sharded_param_data
+    return fsdp_param.param_dtype in (None, data.dtype) and data.device == fsdp_param.device
+
+
+def _copy_sharded_storage(fsdp_param: FSDPParam) -> None:
+    """The engine's unsharded buffer, written by one cast-and-move copy of the stored data."""
+    data = fsdp_param._sharded_param_data
+    fsdp_param.init_all_gather_outputs([data.numel()], [fsdp_param.param_dtype or data.dtype], 1, fsdp_param.device)
+    output = fsdp_param.all_gather_outputs[0]
+    alloc_storage(output)
+    # As the engine: autograd must not see a new version (a recompute saves the same parameter again).
+    with torch.autograd._unsafe_preserve_version_counter(output):
+        output.copy_(data, non_blocking=fsdp_param.offload_to_cpu)
+    fsdp_param.init_unsharded_param()
+
+
+def _view_sharded_storage(fsdp_param: FSDPParam) -> None:
+    """Register (once per storage) an unsharded parameter viewing the sharded data. Nothing is left in
+    ``all_gather_outputs`` for the reshard to free: the storage is the sharded parameter's."""
+    data = fsdp_param._sharded_param_data
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    if (unsharded is None or not getattr(unsharded, _IN_PLACE, False) or unsharded.dtype != data.dtype
+            or unsharded.data_ptr() != data.data_ptr()):  # new storage: after ``_apply``, a load, a re-point
+        unsharded = nn.Parameter(data.view(fsdp_param._orig_size), requires_grad=fsdp_param.sharded_param.requires_grad)
+        setattr(unsharded, _IN_PLACE, True)
+        fsdp_param._unsharded_param = unsharded
+        fsdp_param.all_gather_outputs = []
+
+
+def _leave_engine_copy_when_not_in_place(fsdp_param: FSDPParam) -> None:
+    """A parameter that stops being unshardable in place (its dtype or device changed) gets the engine's
+    own unsharded parameter back: ``init_unsharded_param`` builds one only where none exists."""
+    init_unsharded_param = fsdp_param.init_unsharded_param
+
+    @functools.wraps(init_unsharded_param)
+    def init_unsharded_param_over_engine_copy() -> None:
+        if getattr(getattr(fsdp_param, "_unsharded_param", None), _IN_PLACE, False):
+            del fsdp_param._unsharded_param
+        init_unsharded_param()
+
+    fsdp_param.init_unsharded_param = init_unsharded_param_over_engine_copy  # type: ignore[method-assign]
 
 
 def engine_state(module: nn.Module | FSDPModule) -> FSDPState | None:
@@ -758,7 +921,15 @@ def forget_dtensor_layout_caches() -> None:
     default process group: they are keyed by meshes, which compare by ranks and dimension names,
     not by process groups, so they would give new tensors a mesh of the destroyed groups (and torch
     names new groups "1", "2"... again, so such a mesh may even resolve to other ranks' groups).
-    torch has only a debugging helper for this."""
+    torch has only a debugging helper for this (``torch.distributed.tensor.debug._clear_sharding_prop_cache``),
+    whose package imports torch's memory and runtime estimators: 2.7 MB of resident memory in every process
+    that wraps a model. Its two calls are made here; the helper only where they are missing."""
+    propagate = getattr(getattr(DTensor._op_dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if callable(getattr(propagate, "cache_clear", None)) and callable(clear_fast_path):
+        propagate.cache_clear()  # type: ignore[union-attr]
+        clear_fast_path()
+        return
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()

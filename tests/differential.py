@@ -287,3 +287,33 @@ class AllGatherLog(TorchDispatchMode):
         if "allgather" in str(func):
             self.events.append("all-gather")
         return func(*args, **(kwargs or {}))
+
+
+class AllocatorPeak:
+    """Peak of the live bytes allocated inside a ``with`` block, from the profiler's allocation events (every
+    allocation and free the CPU and CUDA allocators report, in order; frees of memory allocated before the
+    block are not reported): exact, the same on every run, and it sees what a dispatch-level count misses,
+    such as a storage re-grown by ``resize_``."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self) -> AllocatorPeak:
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._profile.__exit__(*exc)
+        from torch._C._profiler import _EventType
+
+        sizes, nodes = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
+        while nodes:
+            node = nodes.pop()
+            nodes.extend(node.children)
+            if node.tag == _EventType.Allocation:
+                sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        live = 0
+        for _, size in sorted(sizes, key=lambda item: item[0]):
+            live += size
+            self.peak = max(self.peak, live)

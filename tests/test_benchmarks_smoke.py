@@ -87,6 +87,25 @@ def test_quick_run(tmp_path: Path) -> None:
             assert 0.9 < summary[strategy][engine]["comm_vs_min"] < 1.1, (strategy, engine)
 
 
+def test_quick_configs_run(tmp_path: Path) -> None:
+    """``--configs`` (issue 35's training configurations) at world size 1: every engine trains the
+    configuration (here bf16 mixed precision with activation checkpointing, clip_grad_norm_ each step) and
+    reports its step time, peak, copies per step and the FULL ``rank0_only`` state dict."""
+    out = tmp_path / "configs.json"
+    engines = ["fsdp_compat", "fsdp1" if HAVE_FSDP1 else "fully_shard"]
+    command = [sys.executable, str(BENCHMARKS / "bench.py"), "--quick", "--nproc", "1", "--configs", "bf16_ac",
+               "--engines", ",".join(engines), "--json", str(out)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["models"]["bf16_ac"]["train"]["activation_checkpointing"] is True
+    for engine in engines:
+        cell = result["summary"]["bf16_ac"]["FULL_SHARD"][engine]
+        for metric in ("step_time_s", "step_cpu_s", "peak_mb", "step_tensor_peak_mb", "copies_per_step",
+                       "full_sd_rank0_s"):
+            assert isinstance(cell[metric], (int, float)), (engine, metric, cell[metric])
+
+
 def test_bad_arguments_fail_fast(capsys: pytest.CaptureFixture[str]) -> None:
     # In this process (the script's command line runs in the tests around): a fresh interpreter costs seconds.
     import bench
