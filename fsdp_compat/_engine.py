@@ -220,7 +220,8 @@ def set_full_precision(module: nn.Module, full: bool) -> None:
             if unsharded is not None:
                 fsdp_param._unsharded_param = unsharded
             fsdp_param.mp_policy = policy
-        group.mp_policy = policy
+        if hasattr(group, "mp_policy"):  # torch 2.13's groups read the policy here, 2.15's from each parameter
+            group.mp_policy = policy
         group._init_mp_dtypes()  # each parameter's param_dtype / reduce_dtype, the group's from them
     state._mp_policy = policy
 
