@@ -75,7 +75,8 @@ class AllocatorPeak:
     events (every allocation and free the CPU and CUDA allocators report, in order; a free of memory allocated
     before the block is not reported, so those stay counted as held). On a CPU the nearest to what
     ``max_memory_allocated`` is on a GPU: tensors only, exact and the same on every run, where the RSS also
-    holds the interpreter's objects, imported code and freed heap memory not yet returned to the system."""
+    holds the interpreter's objects, imported code and freed heap memory not yet returned to the system. It
+    also sees what a dispatch-level count misses, such as a storage re-grown by ``resize_``."""
 
     def __init__(self) -> None:
         self.peak = 0

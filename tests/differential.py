@@ -11,6 +11,7 @@ import copy
 import functools
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compat._common import clean_name
 from fsdp_compat.examples import Block, GPTConfig, TinyGPT, synthetic_batch
+
+# The benchmarks' tensor-peak counter: the step-memory tests and bench.py's "tensors made in the step" row
+# must measure the same thing.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _memory import AllocatorPeak  # noqa: E402,F401
 
 GLOBAL_BATCH = 4
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -289,31 +295,3 @@ class AllGatherLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class AllocatorPeak:
-    """Peak of the live bytes allocated inside a ``with`` block, from the profiler's allocation events (every
-    allocation and free the CPU and CUDA allocators report, in order; frees of memory allocated before the
-    block are not reported): exact, the same on every run, and it sees what a dispatch-level count misses,
-    such as a storage re-grown by ``resize_``."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-
-    def __enter__(self) -> AllocatorPeak:
-        self._profile.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._profile.__exit__(*exc)
-        from torch._C._profiler import _EventType
-
-        sizes, nodes = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
-        while nodes:
-            node = nodes.pop()
-            nodes.extend(node.children)
-            if node.tag == _EventType.Allocation:
-                sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
-        live = 0
-        for _, size in sorted(sizes, key=lambda item: item[0]):
-            live += size
-            self.peak = max(self.peak, live)
