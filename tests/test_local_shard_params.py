@@ -10,6 +10,7 @@ optimizers, ``num_params()``); the oracle is torch FSDP1 running the same code (
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -500,6 +501,9 @@ def test_the_engine_still_has_the_storage_names_the_views_rely_on():
     assert all(hasattr(group, "_all_gather_result") and callable(group.unshard) and callable(group._init_mp_dtypes)
                for group in _engine.param_groups(model.module))
     assert hasattr(state, "_mp_policy")
+    # The one-rank all-reduce buffer's release records it on this stream: a GPU-only path (set at lazy init).
+    assert all("self.all_reduce_stream" in inspect.getsource(type(group.comm_ctx)) and
+               hasattr(group, "_all_reduce_state") for group in _engine.param_groups(model.module))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
