@@ -171,6 +171,8 @@ class CopyCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _COPY_OPS and not (name == "copy_" and args[0] is args[1]):
             written = kwargs.get("out") if kwargs and "out" in kwargs else out
+            if written is None:  # an in-place foreach op (``_foreach_copy_``) returns nothing: it writes its first list
+                written = args[0]
             leaves, _ = tree_flatten(written)
             entry = self.by_op[name]
             entry[0] += 1

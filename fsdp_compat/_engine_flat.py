@@ -120,6 +120,7 @@ class LocalShards:
         self.flats: list[torch.Tensor] = []
         self.grad_flats: list[torch.Tensor | None] = []
         self.pieces: list[_Piece] = []
+        self.members: list[list[_Piece]] = []  # the pieces of each dtype buffer, in ``pieces``' order
         self.flat_params: list[nn.Parameter] = []
         # ``no_sync``: the unreduced gradients shown (FSDP1's): flat mode's per buffer, and the pieces showing one.
         self.unreduced_flats: list[torch.Tensor | None] = []
@@ -162,6 +163,8 @@ class LocalShards:
             self.grad_flats.append(None)
         order = {id(p): i for i, p in enumerate(self.fsdp_params)}
         self.pieces = sorted(pieces, key=lambda piece: order[id(piece.fsdp_param)])
+        # Read on every step (writeback, gradient sync): built with the pieces, not filtered each time.
+        self.members = [[piece for piece in self.pieces if piece.buffer == index] for index in range(len(self.flats))]
         for piece in self.pieces:
             self._repoint(piece)
         if len(self.flat_params) != len(self.flats):
@@ -349,7 +352,7 @@ class LocalShards:
                 self._set_engine_grad(piece, grad)
                 view.grad = self._grad_slice(piece, grad.dtype)
         for index in range(len(self.grad_flats)):  # every gradient of a buffer cleared: its memory freed
-            if all(piece.view.grad is None for piece in self.pieces if piece.buffer == index) and not (
+            if all(piece.view.grad is None for piece in self.members[index]) and not (
                     index < len(self.flat_params) and self.flat_params[index].grad is not None):
                 self.grad_flats[index] = None
 
@@ -357,7 +360,7 @@ class LocalShards:
         """Flat mode: the flat parameters' ``requires_grad`` and ``.grad`` (``None``, the flat gradient, or
         one the user assigned) decide the pieces'."""
         for index, param in enumerate(self.flat_params):
-            members = [piece for piece in self.pieces if piece.buffer == index]
+            members = self.members[index]
             for piece in members:
                 if piece.view.requires_grad != param.requires_grad:
                     piece.view.requires_grad_(param.requires_grad)
@@ -385,8 +388,9 @@ class LocalShards:
                 flat = self._new_grad_flat(index, grad.dtype)
                 flat.copy_(grad)
                 param.grad = flat
-            for piece in members:
-                piece.view.grad = _slice(flat, piece)
+            for piece in members:  # each piece's gradient its slice of it (kept where it is already)
+                if not _is_slice(piece.view.grad, flat, piece):
+                    piece.view.grad = _slice(flat, piece)
 
     def _replaced_parameters(self) -> list[tuple[_Piece, nn.Parameter]]:
         """The pieces whose module slot the user re-assigned (``module.weight = nn.Parameter(...)``), with
@@ -461,7 +465,7 @@ class LocalShards:
                     self.unreduced_pieces.add(id(piece))
             return
         for index, param in enumerate(self.flat_params):
-            members = [piece for piece in self.pieces if piece.buffer == index]
+            members = self.members[index]
             grads = [_unreduced_grad(piece.fsdp_param) for piece in members]
             present = [grad for grad in grads if grad is not None]
             if not present or len({grad.dtype for grad in present}) != 1:
@@ -491,6 +495,11 @@ class LocalShards:
             if grad is None:
                 piece.view.grad = None
                 continue
+            flat = self.grad_flats[piece.buffer]
+            # Where the engine's gradient and the view's already are the piece's slice of the flat gradient
+            # (every step after the first), nothing to do: checked by address, no slice made.
+            if flat is not None and _is_slice(piece.view.grad, flat, piece) and _in_flat(_local(grad), flat, piece):
+                continue
             target = self._grad_slice(piece, grad.dtype)
             if _local(grad).data_ptr() != target.data_ptr() or piece.numel == 0:
                 self._set_engine_grad(piece, _local(grad))
@@ -498,7 +507,7 @@ class LocalShards:
                 piece.view.grad = target
         if self.flat_mode:
             for index, param in enumerate(self.flat_params):
-                members = [piece for piece in self.pieces if piece.buffer == index]
+                members = self.members[index]
                 flat = self.grad_flats[index]
                 if flat is None or all(piece.view.grad is None for piece in members):
                     param.grad = None
@@ -514,7 +523,7 @@ class LocalShards:
         layout (its reduce-scatter output: each parameter's padded chunk, in order, padding reduced from
         zeros), that buffer becomes the flat gradient: no copy, and not two copies of the gradients alive.
         Not while the engine keeps that output to add to later (HSDP without all-reduce)."""
-        members = [piece for piece in self.pieces if piece.buffer == index]
+        members = self.members[index]
         grads = [piece.fsdp_param.sharded_param.grad for piece in members]
         if not members or any(grad is None for grad in grads):
             return
@@ -606,6 +615,14 @@ def _view_shape(fsdp_param: FSDPParam, numel: int) -> tuple[int, ...]:
 def _slice(flat: torch.Tensor, piece: _Piece) -> torch.Tensor:
     """``piece``'s part of a flat buffer (parameters or gradients), in the view's shape."""
     return flat[piece.offset:piece.offset + piece.numel].view(piece.shape)
+
+
+def _is_slice(tensor: torch.Tensor | None, flat: torch.Tensor, piece: _Piece) -> bool:
+    """Whether ``tensor`` already is :func:`_slice` of ``flat`` (address, dtype, shape, contiguous), without
+    making the slice. Never for an empty piece (every empty tensor looks alike: it is re-made, as before)."""
+    return (tensor is not None and piece.numel > 0 and tensor.dtype == flat.dtype
+            and tensor.data_ptr() == flat.data_ptr() + piece.offset * flat.element_size()
+            and tensor.shape == piece.shape and tensor.is_contiguous())
 
 
 def _shard_rank(fsdp_param: FSDPParam) -> int:
