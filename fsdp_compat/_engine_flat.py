@@ -620,7 +620,7 @@ def _slice(flat: torch.Tensor, piece: _Piece) -> torch.Tensor:
 def _is_slice(tensor: torch.Tensor | None, flat: torch.Tensor, piece: _Piece) -> bool:
     """Whether ``tensor`` already is :func:`_slice` of ``flat`` (address, dtype, shape, contiguous), without
     making the slice. Never for an empty piece (every empty tensor looks alike: it is re-made, as before)."""
-    return (tensor is not None and piece.numel > 0 and tensor.dtype == flat.dtype
+    return (tensor is not None and piece.numel > 0 and tensor.dtype == flat.dtype and tensor.device == flat.device
             and tensor.data_ptr() == flat.data_ptr() + piece.offset * flat.element_size()
             and tensor.shape == piece.shape and tensor.is_contiguous())
 
