@@ -19,6 +19,10 @@ class InteroperableEnum(enum.Enum):
     FSDP1; code comparing a wrapper's attributes with torch's enums keeps working)."""
 
     def __eq__(self, other: object) -> bool:
+        # Members of one class are singletons: identity answers for them without the name comparison
+        # (state-dict and runtime code compare a unit's state and strategy per entry).
+        if type(other) is type(self):
+            return other is self
         if isinstance(other, enum.Enum):
             return type(other).__name__ == type(self).__name__ and other.name == self.name
         return NotImplemented

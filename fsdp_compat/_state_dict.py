@@ -46,7 +46,8 @@ from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimState
                   OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
                   StateDictSettings, StateDictType, coerce_config, coerce_enum)
 
-__all__ = ["get_state_dict_type", "load_state_dict", "restore_state_dict_type", "set_state_dict_type_on", "state_dict"]
+__all__ = ["collecting_entries", "get_state_dict_type", "load_state_dict", "restore_state_dict_type",
+           "set_state_dict_type_on", "state_dict"]
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -124,6 +125,12 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
             raise AssertionError(f"All FSDP modules must have the same state dict settings. "
                                  f"Got {StateDictSettings(*current)} and {StateDictSettings(*settings)}.")
     return StateDictSettings(*settings) if settings is not None else None  # type: ignore[return-value]
+
+
+def collecting_entries() -> bool:
+    """Whether a wrapper's ``state_dict()`` runs inside an enclosing wrapper's walk over its module tree
+    (:func:`state_dict` then hands back ``nn.Module``'s raw states for the enclosing call to convert)."""
+    return collecting.get()
 
 
 def state_dict(root: UnitState, *args: Any, destination: Any = None,

@@ -53,8 +53,9 @@ def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
     sharded_by_slot = {(id(module), name): sharded for unit in units_in(root.wrapper)
                        for sharded, slots in _engine.unit_param_slots(unit.module) for module, name in slots}
     entries = []
+    located: dict[str, tuple[nn.Module | None, UnitState]] = {}  # module path -> its module and unit, walked once
     for raw_key, value in raw.items():
-        owner, attr, unit = _locate(root, raw_key)
+        owner, attr, unit = _locate(root, raw_key, located)
         entry = Entry(clean_name(raw_key), raw_key, value, unit,
                       summoned=unit.training_state == TrainingState.SUMMON_FULL_PARAMS)
         if owner is not None:
@@ -66,17 +67,28 @@ def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
     return entries, getattr(raw, "_metadata", OrderedDict())
 
 
-def _locate(root: UnitState, raw_key: str) -> tuple[nn.Module | None, str, UnitState]:
-    """The module owning ``raw_key``'s tensor, the attribute name, and the innermost unit."""
-    *path, attr = raw_key.split(".")
+def _locate(root: UnitState, raw_key: str,
+            located: dict[str, tuple[nn.Module | None, UnitState]]) -> tuple[nn.Module | None, str, UnitState]:
+    """The module owning ``raw_key``'s tensor, the attribute name, and the innermost unit. ``located``
+    remembers each module path's walk for the call's other keys (a module's states share its path)."""
+    path, _, attr = raw_key.rpartition(".")
+    if path not in located:
+        located[path] = _walk(root, path.split(".") if path else [])
+    module, unit = located[path]
+    return (None if module is None else _inside_checkpoint_wrappers(module, attr)), attr, unit
+
+
+def _walk(root: UnitState, path: list[str]) -> tuple[nn.Module | None, UnitState]:
+    """The module at ``path`` (``None``: a key renamed by a module's own state-dict hook) and the
+    innermost unit on the way."""
     module, unit = root.wrapper, root
     for segment in path:
         child = _engine.registered_child(_inside_checkpoint_wrappers(module, segment), segment)
-        if child is None:  # a key renamed by a module's own state-dict hook
-            return None, attr, unit
+        if child is None:
+            return None, unit
         module = child
         unit = state_of(module) or unit
-    return _inside_checkpoint_wrappers(module, attr), attr, unit
+    return module, unit
 
 
 def _inside_checkpoint_wrappers(module: nn.Module, name: str) -> nn.Module:

@@ -69,7 +69,9 @@ def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
         shard_dim = _engine_shard_mesh_dim(tensor)
         if shard_dim is None or shard_dim < 0:  # replicated (the local tensor is full), or not the
             # engine's layout (DTensor works it out)
-            full = (tensor.to_local() if shard_dim is None else tensor.full_tensor()).detach()
+            # ``local_tensor``, not ``to_local()``: the latter builds an autograd node per tensor, the
+            # largest cost of a one-rank FULL state dict after the copy itself.
+            full = (local_tensor(tensor) if shard_dim is None else tensor.full_tensor()).detach()
             results[index] = full.to(out_device or full.device, copy=True) if keep else None
         else:
             batches.setdefault((tensor.device_mesh.get_group(shard_dim), tensor.dtype), []).append(index)
@@ -108,7 +110,7 @@ def _all_gather_batch(batch: list[DTensor], group: dist.ProcessGroup, device: to
     flat_output = buffer.take(world_size * sum(numels), batch[0].dtype, device)
     by_rank = flat_output.view(world_size, sum(numels))
     for tensor, r, flat_piece in zip(batch, rows, by_rank[rank].split(numels)):
-        local = tensor.to_local().detach()
+        local = local_tensor(tensor).detach()
         piece = flat_piece.view(r, *tensor.shape[1:])
         piece[:local.shape[0]].copy_(local)
         if local.shape[0] < r:

@@ -340,6 +340,12 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, Any]:
         """The model state in the current state-dict type, with FSDP1's clean keys."""
+        if _state_dict.collecting_entries():
+            # An enclosing wrapper's state_dict() is reading this tree's module slots: it holds the engine's
+            # parameters in every unit of its tree already. Entering them again here walked the tree and
+            # switched each unit's views once more per nested wrapper (a third of a small model's call).
+            return _state_dict.state_dict(self._unit, *args, destination=destination, prefix=prefix,
+                                          keep_vars=keep_vars)
         with _engine_flat.engine_params(self._engine_units()):
             return _state_dict.state_dict(self._unit, *args, destination=destination, prefix=prefix,
                                           keep_vars=keep_vars)
