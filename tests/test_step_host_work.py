@@ -15,31 +15,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat import wrap as our_wrap
 from fsdp_compat.testing import distributed_test
 from tests import differential as diff
+from _comm import CopyCounter  # noqa: E402  (the benchmarks' counter: tests.differential puts benchmarks/ on the path)
 
 GOLDEN = "step_host_work"
 _COPY_OPS = ("copy_", "_foreach_copy_", "_to_copy")
 _WIDTH, _LAYERS = 32, 4  # four units of Linear(32, 32): two parameters each
-
-
-class _CopyCalls(TorchDispatchMode):
-    """The number of data-copy ops dispatched inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        onto_itself = name == "copy_" and args[0].data_ptr() == args[1].data_ptr()  # returns at once: no copy
-        if name in _COPY_OPS and not onto_itself:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _copy_calls(wrapper_class: Any, wrap_module: Any, use_orig_params: bool) -> int:
@@ -57,9 +42,9 @@ def _copy_calls(wrapper_class: Any, wrap_module: Any, use_orig_params: bool) -> 
         optimizer.step()
 
     step()  # lazy initialisation done, for both
-    with _CopyCalls() as counter:
+    with CopyCounter() as counter:
         step()
-    return counter.count
+    return sum(counter.by_op[name][0] for name in _COPY_OPS)
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
