@@ -72,8 +72,10 @@ class PeakMemory:
 
 class AllocatorPeak:
     """Peak of the live bytes of the tensors allocated inside a ``with`` block, from the profiler's allocation
-    events (every allocation and free the CPU and CUDA allocators report, in order; a free of memory allocated
-    before the block is not reported, so those stay counted as held). On a CPU the nearest to what
+    events (every allocation and free the CPU and CUDA allocators report, in order). Memory allocated before
+    the block stays counted as held even where the block frees it: the profiler reports such a free only when
+    an earlier profiling session in the process happened to see an allocation at the same address, so counting
+    it would make the figure depend on what ran before. On a CPU the nearest to what
     ``max_memory_allocated`` is on a GPU: tensors only, exact and the same on every run, where the RSS also
     holds the interpreter's objects, imported code and freed heap memory not yet returned to the system. It
     also sees what a dispatch-level count misses, such as a storage re-grown by ``resize_``."""
@@ -90,13 +92,21 @@ class AllocatorPeak:
         self._profile.__exit__(*exc)
         from torch._C._profiler import _EventType
 
-        sizes, nodes = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
+        events, nodes = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
         while nodes:
             node = nodes.pop()
             nodes.extend(node.children)
             if node.tag == _EventType.Allocation:
-                sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
-        live = 0
-        for _, size in sorted(sizes, key=lambda item: item[0]):
+                fields = node.extra_fields
+                events.append((node.start_time_ns, fields.device.type, fields.ptr, fields.alloc_size))
+        live, held = 0, set()  # held: the blocks allocated inside this block and not yet freed
+        for _, device_type, pointer, size in sorted(events, key=lambda event: event[0]):
+            block = (device_type, pointer)
+            if size > 0:
+                held.add(block)
+            elif block in held:
+                held.discard(block)
+            else:
+                continue  # a free of memory allocated before the block: see the docstring
             live += size
             self.peak = max(self.peak, live)

@@ -301,15 +301,18 @@ def scatter_like(fulls: list[torch.Tensor] | None, likes: list[DTensor], dtype: 
     # gloo scatters equal sizes: each tensor gets a slot of its longest piece on every rank.
     slots = [max(count for _, count in ranks) * math.prod(like.shape[1:]) for ranks, like in zip(rows, likes)]
     device = communication_device(group)
-    pieces = None
+    pieces, sent = None, None
     if fulls is not None:
-        pieces = [torch.empty(sum(slots), dtype=dtype, device=device) for _ in range(group.size())]
+        sent = torch.empty(group.size() * sum(slots), dtype=dtype, device=device)  # every rank's piece
+        pieces = list(sent.split(sum(slots)))
         for rank, piece in enumerate(pieces):
             for full, ranks, slot in zip(fulls, rows, piece.split(slots)):
                 start, count = ranks[rank]
                 _first_rows(slot, count, full.shape).copy_(full[start:start + count])
     received = torch.empty(sum(slots), dtype=dtype, device=device)
     dist.scatter(received, pieces, group_src=0, group=group)
+    if sent is not None:  # freed now: gloo's worker thread drops its reference to the pieces a moment later
+        sent.untyped_storage().resize_(0)
     me = dist.get_rank(group)
     return [dtensor_like(_first_rows(slot, ranks[me][1], like.shape).to(local_tensor(like).device), like)
             for like, ranks, slot in zip(likes, rows, received.split(slots))]
