@@ -24,8 +24,8 @@ from tests import differential as diff
 GOLDEN = "step_memory"
 _WIDTH, _LAYERS = 64, 6  # a unit: Linear(64, 64), 16.6 KB of parameters
 _ROWS = 256  # activations outweigh the gradients: the step peaks at the end of forward, as in real models
-# FSDP1's own peak moves by up to two units' parameters from run to run (when gloo's worker thread lets go of a
-# reduced gradient); ours does not. What this guards against is a whole model's parameters (six units) more.
+# Either engine's peak can move by up to two units' parameters from run to run on gloo (when its worker thread
+# lets go of a collective's buffer). What this guards against is a whole model's parameters (six units) more.
 _SLACK = 2 * (_WIDTH * _WIDTH + _WIDTH) * 4
 
 
