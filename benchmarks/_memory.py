@@ -105,7 +105,7 @@ class AllocatorPeak:
             if size > 0:
                 held.add(block)
             elif block in held:
-                held.discard(block)
+                held.remove(block)
             else:
                 continue  # a free of memory allocated before the block: see the docstring
             live += size

@@ -40,7 +40,7 @@ from . import _engine
 from ._collectives import communication_device, ranks_where
 from ._engine import local_tensor, new_sharded_tensor
 from ._state_dict_entries import Entry
-from ._tensor_layout import GatherBuffer, gather_full_tensors, shard_like
+from ._tensor_layout import CollectiveBuffer, gather_full_tensors, shard_like
 from ._unit_state import UnitState, units_with_paths
 from .api import ShardingStrategy
 
@@ -224,7 +224,7 @@ def local_flat_params(root: UnitState, entries: list[Entry], offload_to_cpu: boo
     ``summon_full_params`` the values shown (edits included) are written where this rank shows them."""
     shown = {id(entry.sharded): entry.value for entry in entries if entry.full_visible}
     result = []
-    buffer = GatherBuffer()
+    buffer = CollectiveBuffer()
     for path, unit in units_with_paths(root.wrapper):
         slots = _engine.unit_param_slots(unit.module)
         if not slots or unit.sharding_strategy == ShardingStrategy.NO_SHARD:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from . import _engine, _engine_flat, _optim_views, _orig_params, _state_dict
 from ._collectives import all_ranks_agree, broadcast_object, communication_device, same_on_all_ranks
 from ._common import clean_name
-from ._tensor_layout import (GatherBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
+from ._tensor_layout import (CollectiveBuffer, TensorSpec, as_sharded_tensor, broadcast_tensor, copy_to, full_tensors,
                              is_replicated_only, is_sharded_tensor, local_copy, local_piece, scatter_like, scatterable,
                              to_full, to_layout_of)
 from ._unit_state import UnitState, state_of, units_in
@@ -222,7 +222,7 @@ def _export_states(index: _ParamIndex, states: dict[nn.Parameter, Mapping[str, A
             if isinstance(value, DTensor) and not sharded:
                 batches.setdefault((index.unit_of.get(param), name), []).append((param, name))
     gathered: dict[tuple[nn.Parameter, str], torch.Tensor] = {}
-    buffer = GatherBuffer()
+    buffer = CollectiveBuffer()
     for keys in batches.values():  # offloaded values go from the gather buffer straight to the CPU
         fulls = full_tensors([states[param][name] for param, name in keys],
                              "cpu" if offload else None, keep=keep, buffer=buffer)

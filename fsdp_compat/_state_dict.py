@@ -40,7 +40,7 @@ from ._common import clean_module_path
 from ._state_dict_entries import (Entry, check_not_in_iteration, collecting, effective_settings, entries_of,
                                   entry_settings)
 from ._state_dict_load import load_state_dict
-from ._tensor_layout import GatherBuffer, as_sharded_tensor, gather_full_tensors, local_copy, shard_like
+from ._tensor_layout import CollectiveBuffer, as_sharded_tensor, gather_full_tensors, local_copy, shard_like
 from ._unit_state import UnitState, units_in
 from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
                   OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
@@ -234,7 +234,7 @@ def _gather_full_parameters(plans: list[tuple[Entry, StateDictType, StateDictCon
         _, _, tensors = by_unit.setdefault(id(entry.unit), (entry.unit, config, {}))
         tensors.setdefault(id(entry.sharded), entry.sharded)
     full: dict[int, torch.Tensor] = {}
-    buffer = GatherBuffer()  # one for all units: a fresh one each costs as much as the copy
+    buffer = CollectiveBuffer()  # one for all units: a fresh one each costs as much as the copy
     for unit, config, tensors in by_unit.values():
         gathered = gather_full_tensors(list(tensors.values()), unit.compute_device,
                                        out_device=torch.device("cpu") if config.offload_to_cpu else None,

@@ -33,9 +33,11 @@ from ._engine import (ShardedTensor, dtensor_like, local_shape_and_offset, local
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class GatherBuffer:
-    """One gather buffer for every unit of a call (the largest unit's size), freed by ``release``:
-    a fresh buffer per unit pays a page fault per 4 KiB each time, as much as the copy out."""
+class CollectiveBuffer:
+    """A collective's staging buffer (a gather's output, a scatter's input), freed by ``release`` at once:
+    gloo's worker thread keeps a reference to it a moment after the collective returns. A gather reuses
+    one for every unit of a call (the largest unit's size): a fresh buffer per unit pays a page fault per
+    4 KiB each time, as much as the copy out."""
 
     def __init__(self) -> None:
         self._bytes: torch.Tensor | None = None
@@ -55,7 +57,7 @@ class GatherBuffer:
 
 def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
                         out_device: torch.device | None = None, keep: bool = True,
-                        buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
+                        buffer: CollectiveBuffer | None = None) -> list[torch.Tensor]:
     """Full (unsharded) copies of ``tensors``, with one all-gather per process group and dtype; every
     rank of the tensors' meshes calls this with the same tensors in the same order. ``device``: where the
     collective runs. ``out_device``: where the copies go (default: ``device``; a replicated value stays
@@ -75,7 +77,7 @@ def gather_full_tensors(tensors: Sequence[DTensor], device: torch.device, *,
             results[index] = full.to(out_device or full.device, copy=True) if keep else None
         else:
             batches.setdefault((tensor.device_mesh.get_group(shard_dim), tensor.dtype), []).append(index)
-    own_buffer = buffer or GatherBuffer()
+    own_buffer = buffer or CollectiveBuffer()
     for (group, _), indices in batches.items():
         fulls = _all_gather_batch([tensors[i] for i in indices], group, device, out_device or device, keep, own_buffer)
         for i, full in zip(indices, fulls):
@@ -100,7 +102,7 @@ def _engine_shard_mesh_dim(tensor: DTensor) -> int | None:
 
 
 def _all_gather_batch(batch: list[DTensor], group: dist.ProcessGroup, device: torch.device,
-                      out_device: torch.device, keep: bool, buffer: GatherBuffer) -> list[torch.Tensor]:
+                      out_device: torch.device, keep: bool, buffer: CollectiveBuffer) -> list[torch.Tensor]:
     """One in-place all-gather of the batch: each rank writes its (padded) pieces straight into
     its own slot of the buffer, so no padded copy or concatenation of the inputs exists, then
     each full value is copied out of the buffer (rank-major layout) once."""
@@ -246,7 +248,7 @@ def copy_to(tensor: torch.Tensor, device: torch.device | str | None = None) -> t
 
 
 def full_tensors(values: list[DTensor], device: torch.device | str | None = None, *,
-                 keep: bool = True, buffer: GatherBuffer | None = None) -> list[torch.Tensor]:
+                 keep: bool = True, buffer: CollectiveBuffer | None = None) -> list[torch.Tensor]:
     """The unsharded values of ``values`` (one unit's: one device) as new memory each, on ``device``
     (default: where their local shards are); ``keep`` and ``buffer`` as in ``gather_full_tensors``."""
     if not values:
@@ -301,18 +303,16 @@ def scatter_like(fulls: list[torch.Tensor] | None, likes: list[DTensor], dtype: 
     # gloo scatters equal sizes: each tensor gets a slot of its longest piece on every rank.
     slots = [max(count for _, count in ranks) * math.prod(like.shape[1:]) for ranks, like in zip(rows, likes)]
     device = communication_device(group)
-    pieces, sent = None, None
+    pieces, sending = None, CollectiveBuffer()
     if fulls is not None:
-        sent = torch.empty(group.size() * sum(slots), dtype=dtype, device=device)  # every rank's piece
-        pieces = list(sent.split(sum(slots)))
+        pieces = list(sending.take(group.size() * sum(slots), dtype, device).split(sum(slots)))
         for rank, piece in enumerate(pieces):
             for full, ranks, slot in zip(fulls, rows, piece.split(slots)):
                 start, count = ranks[rank]
                 _first_rows(slot, count, full.shape).copy_(full[start:start + count])
     received = torch.empty(sum(slots), dtype=dtype, device=device)
     dist.scatter(received, pieces, group_src=0, group=group)
-    if sent is not None:  # freed now: gloo's worker thread drops its reference to the pieces a moment later
-        sent.untyped_storage().resize_(0)
+    sending.release()
     me = dist.get_rank(group)
     return [dtensor_like(_first_rows(slot, ranks[me][1], like.shape).to(local_tensor(like).device), like)
             for like, ranks, slot in zip(likes, rows, received.split(slots))]
