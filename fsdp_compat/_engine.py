@@ -75,7 +75,8 @@ try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _EngineTrainingState
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, alloc_storage, unsafe_setattr_param
+    from torch.distributed.fsdp._fully_shard._fsdp_param import (FSDPParam, alloc_storage, free_storage,
+                                                                  unsafe_setattr_param)
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 except ImportError as _error:
@@ -335,7 +336,10 @@ def _release_all_reduce_buffer(group: FSDPParamGroup) -> None:
     reduce dtype stays alive through the rest of backward (FSDP1 frees its reduced flat gradient once cast).
     Released after each unit's post-backward instead; on a GPU the buffer is recorded on the all-reduce stream
     first, so the allocator still waits for that stream's work before reusing it (FSDP1's way); on a CPU, with
-    no streams, nothing can still use it. The state's event stays for the engine's waits."""
+    no streams, nothing can still use it, and its memory is freed at once where no gradient views it: gloo's
+    worker thread may hold the tensor a moment longer, and the next unit's buffer then lived beside it (one
+    unit's gradients in the reduce dtype at the step's peak, in some runs). The state's event stays for the
+    engine's waits."""
     post_backward = group.post_backward
 
     @functools.wraps(post_backward)
@@ -346,10 +350,20 @@ def _release_all_reduce_buffer(group: FSDPParamGroup) -> None:
             buffer = state.all_reduce_input
             if buffer.device.type != "cpu":
                 buffer.record_stream(group.comm_ctx.all_reduce_stream)  # where replicate all-reduces
+            elif not _holds_gradients(buffer, group.fsdp_params):
+                free_storage(buffer)
             group._all_reduce_state = state._replace(all_reduce_input=buffer.new_empty(0))
         return result
 
     group.post_backward = post_backward_then_release  # type: ignore[method-assign]
+
+
+def _holds_gradients(buffer: torch.Tensor, fsdp_params: list[FSDPParam]) -> bool:
+    """Whether a sharded gradient of ``fsdp_params`` views ``buffer``'s storage (reduce dtype = parameter dtype)."""
+    address = buffer.untyped_storage().data_ptr()
+    return any(param.sharded_param.grad is not None
+               and local_tensor(cast(DTensor, param.sharded_param.grad)).untyped_storage().data_ptr() == address
+               for param in fsdp_params)
 
 
 def _gathers_over_ranks(group: FSDPParamGroup) -> bool:
@@ -905,6 +919,17 @@ def _param_name_maps(dsd: Any, model: nn.Module) -> tuple[dict[Any, Any], dict[A
 
 
 DISTRIBUTED_CHECKPOINT_INTEROP: bool = _install_distributed_checkpoint_interop()
+
+
+def multiply_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply each of ``tensors`` in place by the one-element ``factor``, with torch's foreach kernel per
+    device and dtype: what ``torch.nn.utils.clip_grad_norm_`` does to the gradients (one rounding per
+    element, the same values as a ``mul_`` each), one call per group instead of one per tensor."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, factor.to(device))
 
 
 def local_tensor(value: DTensor) -> torch.Tensor:

@@ -94,6 +94,7 @@ class _Piece:
     data_ptr: int = 0  # its address: a view still over it was not replaced (checked without a tensor op)
     sharded: Any = None  # the engine's sharded DTensor parameter at the last (re)build
     local: torch.Tensor | None = None  # and its local tensor
+    shown: torch.Tensor | None = None  # flat mode: the plain tensor last registered in its slots
 
 
 def _check_supported(fsdp_param: FSDPParam) -> None:
@@ -262,7 +263,7 @@ class LocalShards:
         if not self.flat_mode:
             setattr_on_modules(piece.view)
             return
-        plain = piece.view.data  # one object for every slot: a tied weight stays one tensor
+        plain = piece.shown = piece.view.data  # one object for every slot: a tied weight stays one tensor
         for module, name in _slots(piece.fsdp_param):
             module._parameters.pop(name, None)
             module.__dict__[name] = plain
@@ -273,6 +274,24 @@ class LocalShards:
         module, name = _slots(piece.fsdp_param)[0]
         return name in module.__dict__ and name not in module._parameters
 
+    def _shows_current_view(self, piece: _Piece) -> bool:
+        """Whether every slot of ``piece`` shows what :meth:`_register_view` would register now: its view, or
+        (flat mode) a plain tensor over the view's current storage, the same object in every slot."""
+        info = piece.fsdp_param._module_info
+        if not self.flat_mode:
+            view = piece.view
+            return _slot_value(piece.fsdp_param) is view and (not info.shared_modules or all(
+                module._parameters.get(name) is view
+                for module, name in zip(info.shared_modules, info.shared_param_names)))
+        shown = piece.shown
+        # A re-pointed view (``_repoint``) or a user's ``.data`` swap moves the address.
+        if shown is None or piece.numel == 0 or shown.data_ptr() != piece.data_ptr \
+                or piece.view.data_ptr() != piece.data_ptr or info.module.__dict__.get(info.param_name) is not shown:
+            return False
+        # A tied weight's other slots (looked at only where there are some: this runs twice a step per piece).
+        return not info.shared_modules or all(
+            module.__dict__.get(name) is shown for module, name in zip(info.shared_modules, info.shared_param_names))
+
     def show(self) -> None:
         """Register in the module slots what the user should see outside forward and backward: the views,
         also of parameters the engine keeps unsharded for the backward to come (those are registered
@@ -281,7 +300,10 @@ class LocalShards:
         the unit's module. Mid-iteration (an entry point called from a forward hook) only the sharded
         ones: the rest of that forward reads the unsharded parameters."""
         mid_iteration = _engine.iteration_in_progress(self.module)
+        registers_views = self.engine_depth == 0 and not _constructing
         for piece in self.pieces:
+            if registers_views and self._shows_current_view(piece):
+                continue  # the engine's reshard registered it already (twice a step, for every piece)
             if not mid_iteration or piece.fsdp_param.sharded_state == ShardedState.SHARDED:
                 piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
         if self.flat_mode:
@@ -576,8 +598,7 @@ class LocalShards:
         for index, (param, flat) in enumerate(zip(self.flat_params, self.flats)):
             if param.data_ptr() != flat.data_ptr() or param.dtype != flat.dtype or param.shape != flat.shape:
                 param.data = flat
-            members = [piece for piece in self.pieces if piece.buffer == index]
-            if any(getattr(piece.view, "grad_dtype", "absent") is None for piece in members):
+            if any(getattr(piece.view, "grad_dtype", "absent") is None for piece in self.members[index]):
                 param.grad_dtype = None  # keep_low_precision_grads: a gradient in another dtype than the buffer
 
     def absorb_flat_writes(self) -> None:
@@ -860,10 +881,21 @@ def _in_flat(grad: torch.Tensor, flat: torch.Tensor, piece: _Piece) -> bool:
 
 
 @contextlib.contextmanager
-def engine_params(modules: Iterable[nn.Module]) -> Iterator[None]:
+def engine_params(modules: Iterable[nn.Module], keep_parameter_views: bool = False) -> Iterator[None]:
     """The engine's DTensor parameters registered in the units ``modules`` for the duration (the
-    users' changes written back first), for entry points that read module slots; the views after."""
+    users' changes written back first), for entry points that read module slots; the views after.
+
+    ``keep_parameter_views``: for a caller that only reads the module tree's keys and finds each engine
+    parameter by its slot (``state_dict``), units whose views are registered as the parameters under their
+    own names (``use_orig_params=True``) keep them: the keys are the same, and switching every view
+    there and back cost a third of a small model's state dict. Their users' changes are written back."""
     all_shards = [shards for module in modules if (shards := local_shards(module)) is not None]
+    if keep_parameter_views:
+        for shards in all_shards:
+            if not shards.flat_mode:
+                shards.follow()
+                shards.writeback()
+        all_shards = [shards for shards in all_shards if shards.flat_mode]
     for shards in all_shards:
         shards.follow()
         shards.writeback()

@@ -165,15 +165,18 @@ def _cast_buffers_for_computation(units: list[UnitState]) -> None:
             visited.add(id(buffer))
 
 
-def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
+def original_buffer_dtypes(root: nn.Module,
+                           unit_paths: list[tuple[str, UnitState]] | None = None) -> dict[str, torch.dtype]:
     """Clean buffer FQN -> dtype that FULL / SHARDED state dicts restore (on a clone), as FSDP1:
-    buffers under a unit with ``buffer_dtype``, except ignored modules' (``buffer_ignored_modules``)."""
+    buffers under a unit with ``buffer_dtype``, except ignored modules' (``buffer_ignored_modules``).
+    ``unit_paths``: :func:`units_with_paths` of ``root``, where the caller has it."""
     restored: dict[str, torch.dtype] = {}
-    for path, unit in units_with_paths(root):
+    for path, unit in unit_paths if unit_paths is not None else units_with_paths(root):
         if unit.mixed_precision.buffer_dtype is None:
             continue
         ignored = _ignored_buffer_ids(unit)
-        ignored_names = {clean_name(name) for name, b in unit.wrapper.named_buffers() if id(b) in ignored}
+        ignored_names = {clean_name(name) for name, b in unit.wrapper.named_buffers() if id(b) in ignored} \
+            if ignored else set()
         for name, dtype in unit.buffer_name_to_orig_dtype.items():
             if name not in ignored_names:
                 restored.setdefault(f"{path}.{name}" if path else name, dtype)

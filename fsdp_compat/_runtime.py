@@ -169,9 +169,7 @@ def _clip_whole_gradients(params: Iterable[nn.Parameter], max_norm: float, norm_
     steps, measured), so it is matched to the bit."""
     grads = [_local(param.grad) for param in params if param.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads:  # torch's multiply: one rounding per element, as its foreach kernel
-        grad.mul_(coefficient.to(grad.device))
+    _engine.multiply_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))  # torch's foreach multiply
     return total
 
 
@@ -201,7 +199,8 @@ def clip_grad_norm_(unit: UnitState, max_norm: float | int, norm_type: float | i
     if all(each.sharding_strategy == ShardingStrategy.NO_SHARD for each in units):
         # FSDP1 communicates nothing here (every gradient is whole on every rank): checked on this rank alone.
         max_norm, norm_type = _check_clip_arguments(unit, max_norm, norm_type)
-        _engine_flat.writeback(each.module for each in units)
+        # No writeback first: the gradients the user sees are scaled in place, and a gradient the user
+        # replaced reaches the engine, scaled, at the next writeback (forward, entry points).
         return _clip_whole_gradients(unit.wrapper.parameters(), max_norm, norm_type)
     # Arguments computed per rank may be bad on one rank only: all ranks raise, no gradient changes. On a
     # 1-D mesh the ranks agree inside the norm's own all-reduce (FSDP1's one collective), else beforehand.

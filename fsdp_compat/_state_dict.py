@@ -133,9 +133,10 @@ def collecting_entries() -> bool:
     return collecting.get()
 
 
-def state_dict(root: UnitState, *args: Any, destination: Any = None,
-               prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-    """The state dict of the wrapper in its state-dict type (see the module docstring)."""
+def state_dict(root: UnitState, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+               unit_paths: list[tuple[str, UnitState]] | None = None) -> dict[str, Any]:
+    """The state dict of the wrapper in its state-dict type (see the module docstring). ``unit_paths``:
+    :func:`units_with_paths` of the wrapper, where the caller walked its tree already."""
     if collecting.get():
         return nn.Module.state_dict(root.wrapper, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     if args:  # nn.Module.state_dict's deprecated positional form (destination, prefix, keep_vars)
@@ -148,10 +149,10 @@ def state_dict(root: UnitState, *args: Any, destination: Any = None,
         destination, prefix, keep_vars = given
     check_not_in_iteration(root, "state_dict()")
     requested, config = effective_settings(root)
-    entries, metadata = entries_of(root)
+    entries, metadata = entries_of(root, None if unit_paths is None else [unit for _, unit in unit_paths])
     plans = [(entry, *entry_settings(entry, requested, config)) for entry in entries]
     full = _gather_full_parameters(plans, root.rank)
-    restore_dtypes = _mixed_precision.original_buffer_dtypes(root.wrapper)
+    restore_dtypes = _mixed_precision.original_buffer_dtypes(root.wrapper, unit_paths)
 
     if destination is None:
         destination = OrderedDict()

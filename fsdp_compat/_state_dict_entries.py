@@ -43,14 +43,15 @@ class Entry:
         return self.summoned and self.sharded is not None and not isinstance(self.value, DTensor)
 
 
-def entries_of(root: UnitState) -> tuple[list[Entry], Any]:
-    """The wrapper's state entries in ``nn.Module.state_dict`` order, and its ``_metadata``."""
+def entries_of(root: UnitState, units: list[UnitState] | None = None) -> tuple[list[Entry], Any]:
+    """The wrapper's state entries in ``nn.Module.state_dict`` order, and its ``_metadata``. ``units``: the
+    units in the wrapper's tree, where the caller has them (:func:`units_in`)."""
     token = collecting.set(True)
     try:
         raw = nn.Module.state_dict(root.wrapper, keep_vars=True)
     finally:
         collecting.reset(token)
-    sharded_by_slot = {(id(module), name): sharded for unit in units_in(root.wrapper)
+    sharded_by_slot = {(id(module), name): sharded for unit in (units if units is not None else units_in(root.wrapper))
                        for sharded, slots in _engine.unit_param_slots(unit.module) for module, name in slots}
     entries = []
     located: dict[str, tuple[nn.Module | None, UnitState]] = {}  # module path -> its module and unit, walked once
@@ -72,33 +73,35 @@ def _locate(root: UnitState, raw_key: str,
     """The module owning ``raw_key``'s tensor, the attribute name, and the innermost unit. ``located``
     remembers each module path's walk for the call's other keys (a module's states share its path)."""
     path, _, attr = raw_key.rpartition(".")
-    if path not in located:
-        located[path] = _walk(root, path.split(".") if path else [])
-    module, unit = located[path]
+    module, unit = _walk(root, path, located)
     return (None if module is None else _inside_checkpoint_wrappers(module, attr)), attr, unit
 
 
-def _walk(root: UnitState, path: list[str]) -> tuple[nn.Module | None, UnitState]:
+def _walk(root: UnitState, path: str,
+          located: dict[str, tuple[nn.Module | None, UnitState]]) -> tuple[nn.Module | None, UnitState]:
     """The module at ``path`` (``None``: a key renamed by a module's own state-dict hook) and the
-    innermost unit on the way."""
-    module, unit = root.wrapper, root
-    for segment in path:
-        child = _engine.registered_child(_inside_checkpoint_wrappers(module, segment), segment)
-        if child is None:
-            return None, unit
-        module = child
-        unit = state_of(module) or unit
-    return module, unit
+    innermost unit on the way; one step from its parent's walk, which ``located`` keeps."""
+    if path in located:
+        return located[path]
+    if not path:
+        found: tuple[nn.Module | None, UnitState] = (root.wrapper, root)
+    else:
+        parent_path, _, segment = path.rpartition(".")
+        parent, unit = _walk(root, parent_path, located)
+        child = None if parent is None else _engine.registered_child(
+            _inside_checkpoint_wrappers(parent, segment), segment)
+        found = (None, unit) if child is None else (child, state_of(child) or unit)
+    located[path] = found
+    return found
 
 
 def _inside_checkpoint_wrappers(module: nn.Module, name: str) -> nn.Module:
     """Activation-checkpoint wrappers drop their own name from state-dict keys (a hook of theirs):
     the module that really has ``name`` may be inside them."""
-    while not (_engine.registered_child(module, name) is not None or name in _own_names(module.named_parameters)
-               or name in _own_names(module.named_buffers)):
-        inner = _engine.registered_child(module, CHECKPOINT_WRAPPED_MODULE)
-        if inner is None:
-            break
+    # Looked for the wrapper first: most modules are none, and their own names are not walked then.
+    while (inner := _engine.registered_child(module, CHECKPOINT_WRAPPED_MODULE)) is not None and not (
+            _engine.registered_child(module, name) is not None or name in _own_names(module.named_parameters)
+            or name in _own_names(module.named_buffers)):
         module = inner
     return module
 

@@ -23,7 +23,7 @@ from ._init_utils import (MetaMaterializer, broadcast_from_rank0, check_module, 
 from ._mesh import build_mesh, check_hybrid_layout_given, resolve_device
 from ._state_dict_load import register_load_hooks
 from ._torch_fsdp1 import check_no_torch_fsdp1_inside
-from ._unit_state import STATE_ATTR, UnitState, state_of, units_in
+from ._unit_state import STATE_ATTR, UnitState, state_of, units_in, units_with_paths
 from .api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
                   ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType, coerce_config, coerce_enum)
 from .wrap import apply_wrapping, plan_wrapping
@@ -346,9 +346,10 @@ class FullyShardedDataParallel(_engine_flat.EngineParamsOnApply):
             # switched each unit's views once more per nested wrapper (a third of a small model's call).
             return _state_dict.state_dict(self._unit, *args, destination=destination, prefix=prefix,
                                           keep_vars=keep_vars)
-        with _engine_flat.engine_params(self._engine_units()):
+        unit_paths = units_with_paths(self)  # one walk of the tree for the whole call
+        with _engine_flat.engine_params((unit.module for _, unit in unit_paths), keep_parameter_views=True):
             return _state_dict.state_dict(self._unit, *args, destination=destination, prefix=prefix,
-                                          keep_vars=keep_vars)
+                                          keep_vars=keep_vars, unit_paths=unit_paths)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict of the current type; on any error the model is left unchanged."""

@@ -87,6 +87,20 @@ def test_quick_run(tmp_path: Path) -> None:
             assert 0.9 < summary[strategy][engine]["comm_vs_min"] < 1.1, (strategy, engine)
 
 
+@pytest.mark.skipif(not HAVE_FSDP1, reason="compares with torch FSDP1 in one process")
+@pytest.mark.parametrize("config", ["bf16_orig", "bf16_ac"])
+def test_interleaved_quick_run(tmp_path: Path, config: str) -> None:
+    """``interleaved.py`` (both FSDP1-style engines in one process at world size 1) trains the configuration
+    with each engine, times every phase and the FULL ``rank0_only`` state dict, and reports the ratios."""
+    command = [sys.executable, str(BENCHMARKS / "interleaved.py"), "--quick", "--config", config]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("step CPU ms, median") and "ratio" in line for line in lines), done.stdout
+    assert sum(line.strip().split()[0] in ("forward", "backward", "clip", "optimizer") for line in lines) == 4
+    assert any(line.startswith("FULL rank0_only state dict ms") for line in lines), done.stdout
+
+
 def test_quick_configs_run(tmp_path: Path) -> None:
     """``--configs`` (issue 35's training configurations) at world size 1: every engine trains the
     configuration (here bf16 mixed precision with activation checkpointing, clip_grad_norm_ each step) and

@@ -262,3 +262,34 @@ def test_no_shard_clipping_communicates_nothing_so_one_rank_may_call_it_alone():
         dist.barrier()
     assert torch.equal(total, expected_total)
     diff.assert_close_dicts(diff.full_gradients(model), expected_grads, rtol=0, what="clipped rank by rank")
+
+
+def _replace_grads_clip_and_step(wrapper_class, use_orig_params: bool) -> list[float]:
+    """``NO_SHARD``: after backward the user replaces one gradient by a new tensor and drops another,
+    clips, steps SGD, and trains one more step: the summed parameters after each step."""
+    model = _build(wrapper_class, "NO_SHARD", use_orig_params=use_orig_params)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sums = []
+    for step in range(2):
+        diff.loss_fn(model, *diff.local_batch(step)).backward()
+        if step == 0:
+            with_grads = [param for param in model.parameters() if param.grad is not None]
+            with_grads[0].grad = with_grads[0].grad * 3  # a new tensor, not the engine's
+            with_grads[-1].grad = None
+        model.clip_grad_norm_(MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        sums.append(sum(value.double().sum().item() for value in diff.full_parameters(model).values()))
+    return sums
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@distributed_test(world_size=2)
+def test_no_shard_clipping_scales_gradients_the_user_replaced(use_orig_params):
+    """A gradient replaced (or dropped) by the user before a ``NO_SHARD`` clip is what is clipped and
+    stepped, as in FSDP1, whose ``clip_grad_norm_`` reads the parameters' ``.grad`` as they are."""
+    diff.quiet()
+    ours = _replace_grads_clip_and_step(FSDP, use_orig_params)
+    expected = diff.fsdp1_value(GOLDEN, diff.golden_key("replaced-grads-clipped", use_orig_params),
+                                lambda: _replace_grads_clip_and_step(diff.TorchFSDP, use_orig_params))
+    diff.assert_close_lists(ours, expected, rtol=1e-6, what="parameter sums vs FSDP1")

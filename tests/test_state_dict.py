@@ -711,3 +711,37 @@ def test_non_root_prefix_and_nested_in_plain_module():
     outer_ours, outer_theirs = nn.Sequential(build(FSDP, steps=0)), nn.Sequential(build(diff.TorchFSDP, steps=0))
     assert_same_state_dict(outer_ours.state_dict(), outer_theirs.state_dict(), "nested", exact=True)
     assert list(outer_ours.state_dict())[1] == "0.tok_emb.weight"
+
+
+def _state_dicts_after_edits_through_the_views(wrapper_class, strategy: str) -> dict:
+    """``use_orig_params=True``: between steps the user replaces one parameter's ``.data`` (the local
+    shard's shape), assigns another as a new module attribute, and writes a third in place; then each
+    state-dict type, taken right away."""
+    model = build(wrapper_class, strategy)
+    block = model.module.blocks[0] if wrapper_class is diff.TorchFSDP else model.blocks[0]
+    fc, proj = block.mlp.fc, block.mlp.proj
+    with torch.no_grad():
+        fc.weight.data = torch.full_like(fc.weight, 0.25)
+        proj.weight = nn.Parameter(torch.full_like(proj.weight, -0.5))
+        fc.bias.add_(1.0)
+    return {state_dict_type: state_dict_of(model, state_dict_type) for state_dict_type in (FULL, SHARDED)}
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@distributed_test(world_size=2)
+def test_edits_through_the_views_are_in_the_state_dict_taken_next(strategy):
+    """With ``use_orig_params=True`` the parameters the user edits are what FULL and SHARDED state dicts
+    give right after, also where the wrapper leaves the user's parameters registered while it reads the
+    module tree (fsdp_compat), and whether the edit replaced ``.data``, the parameter, or its values."""
+    ours = _state_dicts_after_edits_through_the_views(FSDP, strategy)
+    full = {key: full_value(value) for key, value in ours[FULL].items()}
+    assert bool((full["blocks.0.mlp.fc.weight"] == 0.25).all())
+    assert bool((full["blocks.0.mlp.proj.weight"] == -0.5).all())
+    expected = diff.fsdp1_value("state_dict_edits", diff.golden_key(strategy), lambda: {
+        key: full_value(value).double().sum().item()
+        for key, value in _state_dicts_after_edits_through_the_views(diff.TorchFSDP, strategy)[FULL].items()})
+    for state_dict_type in (FULL, SHARDED):
+        sums = {key: full_value(value).double().sum().item() for key, value in ours[state_dict_type].items()}
+        assert set(sums) == set(expected), state_dict_type
+        diff.assert_close_lists([sums[key] for key in expected], list(expected.values()), rtol=1e-6,
+                                what=f"{state_dict_type.name} after edits vs FSDP1")
