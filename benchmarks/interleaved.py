@@ -3,12 +3,14 @@ by phase, and the FULL ``rank0_only`` state dict.
 
 ``bench.py`` gives every engine its own process, so that each peak is its own; on a shared 2-core machine its
 step ratios move by up to ±10% between runs of the same code. Here both engines wrap the same seeded model
-(one of ``bench.py``'s ``--configs``, at its CPU scale) in one rank, and rounds of steps (or of state-dict
+(one of ``bench.py``'s ``--configs``, at its GPU or CPU scale) in one rank, and rounds of steps (or of state-dict
 calls) alternate between them, the order reversed every round, so that load drifting on the machine hits
 both alike. Reported: the median and the minimum over rounds of each engine's CPU time per step
 (``time.process_time``; AdamW, ``clip_grad_norm_(1.0)``, ``zero_grad(set_to_none=True)``), the same per phase
 (``zero_grad`` + forward + loss, backward, ``clip_grad_norm_``, optimizer step), and the wall time per FULL
-``rank0_only`` state-dict call; ratios fsdp_compat / FSDP1.
+``rank0_only`` state-dict call; ratios fsdp_compat / FSDP1. On a GPU the step figures are still the host's
+CPU time (kernels run asynchronously: this is the host work a model too small to hide it pays), and the
+state-dict calls are timed to a synchronised device; ``bench.py`` gives the step's wall time there.
 
     python benchmarks/interleaved.py --config bf16 --rounds 7 --steps 20
     python benchmarks/interleaved.py --config bf16_orig --state-dict-calls 150 --rounds 0
@@ -93,6 +95,11 @@ def _state_dict(model: nn.Module, api: Any) -> None:
         model.state_dict()
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _rank_main(config: str, scale: str, rounds: int, steps: int, warmup: int, calls: int) -> dict[str, Any]:
     from fsdp_compat import testing
 
@@ -120,8 +127,10 @@ def _rank_main(config: str, scale: str, rounds: int, steps: int, warmup: int, ca
     for call in range(calls):
         for engine in ENGINES if call % 2 == 0 else reversed(ENGINES):
             model, _, api = built[engine]
+            _synchronize(device)
             start = time.perf_counter()
             _state_dict(model, api)
+            _synchronize(device)
             state_dict_s[engine].append(time.perf_counter() - start)
     return {"per_round": per_round, "state_dict_s": state_dict_s}
 
@@ -157,9 +166,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first (default 3)")
     parser.add_argument("--state-dict-calls", type=int, default=0,
                         help="timed FULL rank0_only state-dict calls per engine (default 0)")
+    parser.add_argument("--scale", choices=("gpu", "cpu"), default=None,
+                        help="the config's model: the issue's sizes (gpu) or bench.py's CPU fallback (cpu); "
+                             "default gpu with CUDA, else cpu")
     parser.add_argument("--quick", action="store_true", help="tiny model, one round of 2 steps, 2 calls")
     args = parser.parse_args(argv)
-    scale = "quick" if args.quick else "cpu"
+    scale = "quick" if args.quick else args.scale or ("gpu" if torch.cuda.is_available() else "cpu")
     if args.quick:
         args.rounds, args.steps, args.warmup, args.state_dict_calls = 1, 2, 1, 2
     [results] = run_on_ranks(_rank_main, 1, args.config, scale, args.rounds, args.steps, args.warmup,
