@@ -3,14 +3,16 @@ by phase, and the FULL ``rank0_only`` state dict.
 
 ``bench.py`` gives every engine its own process, so that each peak is its own; on a shared 2-core machine its
 step ratios move by up to ±10% between runs of the same code. Here both engines wrap the same seeded model
-(one of ``bench.py``'s ``--configs``, at its GPU or CPU scale) in one rank, and rounds of steps (or of state-dict
+(one of ``bench.py``'s ``--configs``, at its GPU or CPU scale, wrapped and trained by ``bench.py``'s own
+engines and trainer) in one rank, and rounds of steps (or of state-dict
 calls) alternate between them, the order reversed every round, so that load drifting on the machine hits
 both alike. Reported: the median and the minimum over rounds of each engine's CPU time per step
 (``time.process_time``; AdamW, ``clip_grad_norm_(1.0)``, ``zero_grad(set_to_none=True)``), the same per phase
 (``zero_grad`` + forward + loss, backward, ``clip_grad_norm_``, optimizer step), and the wall time per FULL
-``rank0_only`` state-dict call; ratios fsdp_compat / FSDP1. On a GPU the step figures are still the host's
-CPU time (kernels run asynchronously: this is the host work a model too small to hide it pays), and the
-state-dict calls are timed to a synchronised device; ``bench.py`` gives the step's wall time there.
+``rank0_only`` state-dict call (``offload_to_cpu`` on a GPU, as ``bench.py``); ratios fsdp_compat / FSDP1.
+On a GPU the step figures are still the host's CPU time (kernels run asynchronously: this is the host work a
+model too small to hide it pays), and the state-dict calls are timed to a synchronised device; ``bench.py``
+gives the step's wall time there.
 
     python benchmarks/interleaved.py --config bf16 --rounds 7 --steps 20
     python benchmarks/interleaved.py --config bf16_orig --state-dict-calls 150 --rounds 0
@@ -31,107 +33,75 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the helpers beside this file, the package from a checkout
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from _engines import CONFIGS, _checkpoint_blocks, config_model  # noqa: E402
-from fsdp_compat.examples import Block, TinyGPT  # noqa: E402
+from _engines import CONFIGS, Engine, RunContext, build_meta_model, config_model, make_engine  # noqa: E402
+from _worker import Trainer, _sync  # noqa: E402
 from fsdp_compat.testing import run_on_ranks  # noqa: E402
 
 ENGINES = ("fsdp_compat", "fsdp1")
 PHASES = ("forward", "backward", "clip", "optimizer")
 
 
-def _build(engine: str, config: str, scale: str) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """The config's model wrapped by ``engine`` as ``bench.py`` wraps it, its AdamW, and the API module."""
-    import torch.distributed.fsdp as torch_fsdp
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
-
-    import fsdp_compat
-    from fsdp_compat import testing
-    from fsdp_compat.wrap import ModuleWrapPolicy
-
-    api: Any = fsdp_compat if engine == "fsdp_compat" else torch_fsdp
-    policy = (ModuleWrapPolicy if engine == "fsdp_compat" else TorchModuleWrapPolicy)({Block})
-    train = CONFIGS[config]
+def _build(name: str, config: str, scale: str, device: torch.device) -> tuple[Engine, Trainer]:
+    """The config's model wrapped by the engine ``name`` and its trainer, exactly as ``bench.py`` runs it."""
+    engine, train, spec = make_engine(name), CONFIGS[config], config_model(config, scale)
+    ctx = RunContext("FULL_SHARD", device, 1, (1, 1), use_orig_params=train.use_orig_params, train=train)
     torch.manual_seed(0)
-    device = testing.device()
-    model = TinyGPT(config_model(config, scale).config).to(device)
-    kwargs: dict[str, Any] = dict(auto_wrap_policy=policy, device_id=device,
-                                  use_orig_params=train.use_orig_params)
-    if train.bf16:
-        kwargs["mixed_precision"] = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                                       buffer_dtype=torch.bfloat16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # both warn that FULL_SHARD is NO_SHARD at world size 1
-        wrapped = api.FullyShardedDataParallel(model, **kwargs)
-    if train.activation_checkpointing:
-        _checkpoint_blocks(wrapped)
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=train.fused_adamw and device.type == "cuda")
-    return wrapped, optimizer, api
+    model = engine.wrap(build_meta_model(spec), ctx)
+    fused = True if train.fused_adamw and not train.cpu_offload and device.type == "cuda" else None
+    return engine, Trainer(model, spec, device, 0, 1, fused=fused, clip=lambda: engine.clip_grad_norm_(model, 1.0))
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-          phases: dict[str, float]) -> None:
-    """One training step, each phase's CPU time added to ``phases``."""
-    tokens, targets = batch
+def _step(trainer: Trainer, phases: dict[str, float]) -> None:
+    """``Trainer.step`` with each phase's CPU time added to ``phases``."""
+    tokens, targets = trainer.batches[trainer.step_index % len(trainer.batches)]
+    trainer.step_index += 1
     start = time.process_time()
-    optimizer.zero_grad(set_to_none=True)
-    logits = model(tokens)
-    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    trainer.optim.zero_grad(set_to_none=True)
+    logits = trainer.model(tokens)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     forward = time.process_time()
     loss.backward()
     backward = time.process_time()
-    model.clip_grad_norm_(1.0)
+    trainer.clip()  # type: ignore[misc]
     clip = time.process_time()
-    optimizer.step()
+    trainer.optim.step()
     end = time.process_time()
     for phase, seconds in zip(PHASES, (forward - start, backward - forward, clip - backward, end - clip)):
         phases[phase] += seconds
 
 
-def _state_dict(model: nn.Module, api: Any) -> None:
-    config = api.FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
-    with api.FullyShardedDataParallel.state_dict_type(model, api.StateDictType.FULL_STATE_DICT, config):
-        model.state_dict()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _rank_main(config: str, scale: str, rounds: int, steps: int, warmup: int, calls: int) -> dict[str, Any]:
     from fsdp_compat import testing
 
+    warnings.filterwarnings("ignore")  # as bench.py's ranks: FSDP1's deprecation, NO_SHARD at world size 1
     torch.set_flush_denormal(True)  # as bench.py: subnormals' cost depends on the init path, not the engine
-    built = {engine: _build(engine, config, scale) for engine in ENGINES}
-    spec = config_model(config, scale)
-    generator = torch.Generator().manual_seed(1)
-    shape = (spec.batch_per_rank, spec.config.block_size)
     device = testing.device()
-    batch = tuple(torch.randint(0, spec.config.vocab_size, shape, generator=generator).to(device) for _ in range(2))
-    for model, optimizer, _ in built.values():
+    built = {name: _build(name, config, scale, device) for name in ENGINES}
+    for _, trainer in built.values():
         for _ in range(warmup):
-            _step(model, optimizer, batch, dict.fromkeys(PHASES, 0.0))  # type: ignore[arg-type]
-    per_round: dict[str, list[dict[str, float]]] = {engine: [] for engine in ENGINES}
+            trainer.step()
+    per_round: dict[str, list[dict[str, float]]] = {name: [] for name in ENGINES}
     for round_ in range(rounds):
-        for engine in ENGINES if round_ % 2 == 0 else reversed(ENGINES):
-            model, optimizer, _ = built[engine]
+        for name in ENGINES if round_ % 2 == 0 else reversed(ENGINES):
             phases = dict.fromkeys(PHASES, 0.0)
             for _ in range(steps):
-                _step(model, optimizer, batch, phases)  # type: ignore[arg-type]
-            per_round[engine].append({phase: seconds / steps for phase, seconds in phases.items()})
-    state_dict_s: dict[str, list[float]] = {engine: [] for engine in ENGINES}
-    for model, _, api in built.values():  # an untimed call each first
-        _state_dict(model, api)
+                _step(built[name][1], phases)
+            per_round[name].append({phase: seconds / steps for phase, seconds in phases.items()})
+    # The FULL state dict with rank0_only (offload_to_cpu on a GPU), as bench.py times it; an untimed call first.
+    offload = device.type == "cuda"
+    for engine, trainer in built.values():
+        engine.full_state_dict_offloaded(trainer.model, offload)
+    state_dict_s: dict[str, list[float]] = {name: [] for name in ENGINES}
     for call in range(calls):
-        for engine in ENGINES if call % 2 == 0 else reversed(ENGINES):
-            model, _, api = built[engine]
-            _synchronize(device)
+        for name in ENGINES if call % 2 == 0 else reversed(ENGINES):
+            engine, trainer = built[name]
+            _sync(device)
             start = time.perf_counter()
-            _state_dict(model, api)
-            _synchronize(device)
-            state_dict_s[engine].append(time.perf_counter() - start)
+            engine.full_state_dict_offloaded(trainer.model, offload)
+            _sync(device)
+            state_dict_s[name].append(time.perf_counter() - start)
     return {"per_round": per_round, "state_dict_s": state_dict_s}
 
 

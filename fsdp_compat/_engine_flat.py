@@ -279,9 +279,8 @@ class LocalShards:
         (flat mode) a plain tensor over the view's current storage, the same object in every slot."""
         info = piece.fsdp_param._module_info
         if not self.flat_mode:
-            view = piece.view
-            return _slot_value(piece.fsdp_param) is view and (not info.shared_modules or all(
-                module._parameters.get(name) is view
+            return self._shows_view(piece) and (not info.shared_modules or all(
+                module._parameters.get(name) is piece.view
                 for module, name in zip(info.shared_modules, info.shared_param_names)))
         shown = piece.shown
         # A re-pointed view (``_repoint``) or a user's ``.data`` swap moves the address.
@@ -890,21 +889,17 @@ def engine_params(modules: Iterable[nn.Module], keep_parameter_views: bool = Fal
     own names (``use_orig_params=True``) keep them: the keys are the same, and switching every view
     there and back cost a third of a small model's state dict. Their users' changes are written back."""
     all_shards = [shards for module in modules if (shards := local_shards(module)) is not None]
-    if keep_parameter_views:
-        for shards in all_shards:
-            if not shards.flat_mode:
-                shards.follow()
-                shards.writeback()
-        all_shards = [shards for shards in all_shards if shards.flat_mode]
+    switched = [shards for shards in all_shards if shards.flat_mode or not keep_parameter_views]
     for shards in all_shards:
         shards.follow()
         shards.writeback()
+    for shards in switched:
         shards.engine_depth += 1
         shards.hide()
     try:
         yield
     finally:
-        for shards in all_shards:
+        for shards in switched:
             shards.engine_depth -= 1
             shards.follow()
             if shards.engine_depth == 0:
