@@ -326,25 +326,46 @@ def _reduce_in_place_on_one_rank(group: FSDPParamGroup) -> None:
     if not isinstance(group.mesh_info, FSDPMeshInfo) or group._reduce_scatter_process_group.size() == 1:
         group._reduce_scatter_comm = _ReduceInPlaceOnOneRank()
     if not isinstance(group.mesh_info, FSDPMeshInfo):
-        _release_all_reduce_buffer(group)
+        _reduce_over_replicas(group)
 
 
-def _release_all_reduce_buffer(group: FSDPParamGroup) -> None:
-    """``replicate`` (``NO_SHARD``) keeps each unit's all-reduce buffer (``_all_reduce_state``) until the end of
-    backward, so that the allocator does not hand it to another unit while the all-reduce may still run on its
-    stream. Under ``reduce_dtype`` the gradients are cast out of it right away, so every unit's buffer in the
-    reduce dtype stays alive through the rest of backward (FSDP1 frees its reduced flat gradient once cast).
-    Released after each unit's post-backward instead; on a GPU the buffer is recorded on the all-reduce stream
-    first, so the allocator still waits for that stream's work before reusing it (FSDP1's way); on a CPU, with
-    no streams, nothing can still use it, and its memory is freed at once where no gradient views it: gloo's
-    worker thread may hold the tensor a moment longer, and the next unit's buffer then lived beside it (one
-    unit's gradients in the reduce dtype at the step's peak, in some runs). The state's event stays for the
-    engine's waits."""
+def _reduce_over_replicas(group: FSDPParamGroup) -> None:
+    """The post-backward of a ``replicate`` (``NO_SHARD``) group, with two changes to the engine's.
+
+    Over one rank (world size 1, no comm hook) the all-reduce is skipped: it reduces with no other rank, and
+    on gloo its hand-off to the worker thread and back cost more host time per unit than the rest of the
+    reduction's tensor work. The engine's own one-rank path does it: for that call the group reduces as a
+    ``fully_shard`` group over the same one-rank mesh would (the reduce-scatter's copy, which
+    :class:`_ReduceInPlaceOnOneRank` makes a no-op, then the cast and the sharded gradients), the same values
+    (factor 1, nothing divided) and no collective. FSDP1 calls its all-reduce there too; no rank waits on it.
+
+    ``replicate`` keeps each unit's reduce buffer (``_all_reduce_state``; over one rank without an all-reduce,
+    the engine's reduce-scatter state) until the end of backward, so that the allocator does not hand it to
+    another unit while the all-reduce may still run on its stream. Under ``reduce_dtype`` the gradients are
+    cast out of it right away, so every unit's buffer in the reduce dtype stays alive through the rest of
+    backward (FSDP1 frees its reduced flat gradient once cast). Released after each unit's post-backward
+    instead; on a GPU the all-reduce buffer is recorded on the all-reduce stream first, so the allocator still
+    waits for that stream's work before reusing it (FSDP1's way); on a CPU, with no streams, nothing can still
+    use it, and its memory is freed at once where no gradient views it: gloo's worker thread may hold the
+    tensor a moment longer, and the next unit's buffer then lived beside it (one unit's gradients in the
+    reduce dtype at the step's peak, in some runs). The state's event stays for the engine's waits."""
     post_backward = group.post_backward
+    over_one_rank: list[FSDPMeshInfo] = []  # made at the first backward: the mesh info the engine reduces with
 
     @functools.wraps(post_backward)
     def post_backward_then_release(*args: Any, **kwargs: Any) -> Any:
-        result = post_backward(*args, **kwargs)
+        replicate_info = group.mesh_info
+        skip_all_reduce = _all_reduce_spans_one_rank(group)
+        if skip_all_reduce:
+            if not over_one_rank:
+                over_one_rank.append(FSDPMeshInfo(replicate_info.mesh, shard_mesh_dim=0))
+            group.mesh_info = over_one_rank[0]
+        reduce_states = group.comm_ctx.reduce_scatter_states
+        last_before = reduce_states[-1] if reduce_states else None
+        try:
+            result = post_backward(*args, **kwargs)
+        finally:
+            group.mesh_info = replicate_info
         state = group._all_reduce_state
         if state is not None and state.all_reduce_input.numel() > 0:
             buffer = state.all_reduce_input
@@ -353,9 +374,21 @@ def _release_all_reduce_buffer(group: FSDPParamGroup) -> None:
             elif not _holds_gradients(buffer, group.fsdp_params):
                 free_storage(buffer)
             group._all_reduce_state = state._replace(all_reduce_input=buffer.new_empty(0))
+        elif skip_all_reduce and reduce_states and reduce_states[-1] is not last_before:
+            buffer = reduce_states[-1].reduce_scatter_input  # this call's (no stream on a CPU to record it on)
+            if buffer.device.type == "cpu" and not _holds_gradients(buffer, group.fsdp_params):
+                free_storage(buffer)
         return result
 
     group.post_backward = post_backward_then_release  # type: ignore[method-assign]
+
+
+def _all_reduce_spans_one_rank(group: FSDPParamGroup) -> bool:
+    """Whether the ``replicate`` group's all-reduce is over one rank and nothing else is asked of it (a comm
+    hook, accumulation without all-reduce)."""
+    mesh_info: Any = group.mesh_info
+    return (group._all_reduce_hook is None and group.all_reduce_grads
+            and mesh_info.replicate_process_group.size() == 1)
 
 
 def _holds_gradients(buffer: torch.Tensor, fsdp_params: list[FSDPParam]) -> bool:

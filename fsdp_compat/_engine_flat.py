@@ -126,6 +126,7 @@ class LocalShards:
         # ``no_sync``: the unreduced gradients shown (FSDP1's): flat mode's per buffer, and the pieces showing one.
         self.unreduced_flats: list[torch.Tensor | None] = []
         self.unreduced_pieces: set[int] = set()
+        self.flat_params_stale = True  # the pieces were (re)pointed since the flat parameters last looked
         self._build()
         for piece in self.pieces:
             self._intercept(piece)
@@ -168,6 +169,7 @@ class LocalShards:
         self.members = [[piece for piece in self.pieces if piece.buffer == index] for index in range(len(self.flats))]
         for piece in self.pieces:
             self._repoint(piece)
+        self.flat_params_stale = True  # :meth:`_ensure_flat_params` reads the re-pointed pieces again
         if len(self.flat_params) != len(self.flats):
             self.flat_params = []
         for param, flat in zip(self.flat_params, self.flats):  # same objects over the new buffers
@@ -216,17 +218,22 @@ class LocalShards:
 
     def follow(self) -> None:
         """Rebuild when the engine re-allocated a parameter's storage (views keep their identity)."""
-        if any(piece.fsdp_param._sharded_param_data is not piece.data or piece.fsdp_param.sharded_param
-               is not piece.sharded or _local(piece.sharded) is not piece.local for piece in self.pieces):
-            grads = [(piece, piece.fsdp_param.sharded_param.grad) for piece in self.pieces]
-            self._build()
-            for piece, grad in grads:
-                piece.view.grad = None
-                if grad is not None:
-                    self._set_engine_grad(piece, _local(grad))
-                    piece.view.grad = self._grad_slice(piece, grad.dtype)
-                else:
-                    piece.fsdp_param.sharded_param.grad = None
+        for piece in self.pieces:  # several times a step per unit: a plain loop, each object compared once
+            fsdp_param = piece.fsdp_param
+            if (fsdp_param._sharded_param_data is not piece.data or fsdp_param.sharded_param is not piece.sharded
+                    or _local(piece.sharded) is not piece.local):
+                break
+        else:
+            return
+        grads = [(piece, piece.fsdp_param.sharded_param.grad) for piece in self.pieces]
+        self._build()
+        for piece, grad in grads:
+            piece.view.grad = None
+            if grad is not None:
+                self._set_engine_grad(piece, _local(grad))
+                piece.view.grad = self._grad_slice(piece, grad.dtype)
+            else:
+                piece.fsdp_param.sharded_param.grad = None
 
     # ---- registration ----
 
@@ -298,11 +305,13 @@ class LocalShards:
         no communication); in flat mode, the flat parameters on
         the unit's module. Mid-iteration (an entry point called from a forward hook) only the sharded
         ones: the rest of that forward reads the unsharded parameters."""
-        mid_iteration = _engine.iteration_in_progress(self.module)
         registers_views = self.engine_depth == 0 and not _constructing
+        mid_iteration: bool | None = None  # asked only where a slot needs registering: it walks every unit
         for piece in self.pieces:
             if registers_views and self._shows_current_view(piece):
                 continue  # the engine's reshard registered it already (twice a step, for every piece)
+            if mid_iteration is None:
+                mid_iteration = _engine.iteration_in_progress(self.module)
             if not mid_iteration or piece.fsdp_param.sharded_state == ShardedState.SHARDED:
                 piece.fsdp_param._setattr_on_modules(piece.fsdp_param.sharded_param)
         if self.flat_mode:
@@ -516,10 +525,12 @@ class LocalShards:
             if grad is None:
                 piece.view.grad = None
                 continue
-            flat = self.grad_flats[piece.buffer]
-            # Where the engine's gradient and the view's already are the piece's slice of the flat gradient
-            # (every step after the first), nothing to do: checked by address, no slice made.
-            if flat is not None and _is_slice(piece.view.grad, flat, piece) and _in_flat(_local(grad), flat, piece):
+            flat, local = self.grad_flats[piece.buffer], _local(grad)
+            if flat is not None and piece.numel and _in_flat(local, flat, piece) and local.is_contiguous():
+                # The engine's gradient is the piece's slice of the flat gradient (every step: the flat gradient
+                # is its reduce output, adopted): the view's is then that slice too, made from it (one view op).
+                if not _is_slice(piece.view.grad, flat, piece):
+                    piece.view.grad = local.view(piece.shape)
                 continue
             target = self._grad_slice(piece, grad.dtype)
             if _local(grad).data_ptr() != target.data_ptr() or piece.numel == 0:
@@ -587,6 +598,8 @@ class LocalShards:
 
     def _ensure_flat_params(self) -> None:
         """The flat parameter objects exist, each over its current buffer (identity kept)."""
+        fresh = len(self.flat_params) != len(self.flats) or self.flat_params_stale
+        self.flat_params_stale = False
         if len(self.flat_params) != len(self.flats):
             self.flat_params = [nn.Parameter(flat, requires_grad=False) for flat in self.flats]
             for index, param in enumerate(self.flat_params):
@@ -597,7 +610,8 @@ class LocalShards:
         for index, (param, flat) in enumerate(zip(self.flat_params, self.flats)):
             if param.data_ptr() != flat.data_ptr() or param.dtype != flat.dtype or param.shape != flat.shape:
                 param.data = flat
-            if any(getattr(piece.view, "grad_dtype", "absent") is None for piece in self.members[index]):
+            # The pieces' ``grad_dtype`` changes only where they are (re)pointed: looked at after that only.
+            if fresh and any(getattr(piece.view, "grad_dtype", "absent") is None for piece in self.members[index]):
                 param.grad_dtype = None  # keep_low_precision_grads: a gradient in another dtype than the buffer
 
     def absorb_flat_writes(self) -> None:

@@ -504,6 +504,15 @@ def test_the_engine_still_has_the_storage_names_the_views_rely_on():
     # The one-rank all-reduce buffer's release records it on this stream: a GPU-only path (set at lazy init).
     assert all("self.all_reduce_stream" in inspect.getsource(type(group.comm_ctx)) and
                hasattr(group, "_all_reduce_state") for group in _engine.param_groups(model.module))
+    # A replicate group over one rank reduces as a one-rank fully_shard group (no all-reduce) unless one of
+    # these asks for the all-reduce; its reduce buffer is then the last reduce-scatter state's input.
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import ReduceScatterState
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    assert "reduce_scatter_input" in ReduceScatterState._fields
+    assert "shard_mesh_dim" in inspect.signature(FSDPMeshInfo).parameters
+    assert all(hasattr(group, "_all_reduce_hook") and group.all_reduce_grads is True and  # (states: set at lazy init)
+               "self.reduce_scatter_states" in inspect.getsource(type(group.comm_ctx))
+               for group in _engine.param_groups(model.module))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -278,6 +278,17 @@ def _hook_effect(wrapper_class, strategy: str) -> tuple[list[float], dict[str, t
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 @distributed_test(world_size=2)
 def test_comm_hook_gets_the_gradient_once_per_unit_and_decides_what_reaches_it(strategy):
+    _check_hook_effect(strategy)
+
+
+@distributed_test(world_size=1)
+def test_comm_hook_at_world_size_one_is_still_the_units_communication():
+    """At one rank fsdp_compat makes no all-reduce of its own (there is no other rank): a registered hook
+    still gets each unit's gradient once per synced backward, as in FSDP1, and decides what reaches it."""
+    _check_hook_effect("NO_SHARD")
+
+
+def _check_hook_effect(strategy: str) -> None:
     diff.quiet()
     calls, grads = _hook_effect(FSDP, strategy)
     assert calls == [0.0, 3.0], f"expected no call inside no_sync, then one per unit (3): {calls}"

@@ -10,6 +10,7 @@ same on every run. Compared with torch FSDP1 run now, or with its golden values 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,31 +21,51 @@ from fsdp_compat import FullyShardedDataParallel as FSDP
 from fsdp_compat import wrap as our_wrap
 from fsdp_compat.testing import distributed_test
 from tests import differential as diff
-from _comm import CopyCounter  # noqa: E402  (the benchmarks' counter: tests.differential puts benchmarks/ on the path)
+from _comm import CollectiveCounter, CopyCounter  # noqa: E402  (the benchmarks' counter: tests.differential puts benchmarks/ on the path)
 
 GOLDEN = "step_host_work"
 _COPY_OPS = ("copy_", "_foreach_copy_", "_to_copy")
 _WIDTH, _LAYERS = 32, 4  # four units of Linear(32, 32): two parameters each
 
 
-def _copy_calls(wrapper_class: Any, wrap_module: Any, use_orig_params: bool) -> int:
+def _training_step(wrapper_class: Any, wrap_module: Any, use_orig_params: bool,
+                   **precision: torch.dtype) -> Callable[[], float]:
+    """One unit per ``Linear`` at world size 1 with a ``MixedPrecision(**precision)``; its SGD step (the loss)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(_WIDTH, _WIDTH) for _ in range(_LAYERS)]).to(diff.device())
     model = wrapper_class(model, auto_wrap_policy=wrap_module.ModuleWrapPolicy({nn.Linear}),
-                          mixed_precision=diff.torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16),
+                          mixed_precision=diff.torch_fsdp.MixedPrecision(**precision),
                           use_orig_params=use_orig_params, **diff.fsdp1_kwargs())
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = torch.randn(8, _WIDTH, device=diff.device())
 
-    def step() -> None:
+    def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        model(batch).float().square().sum().backward()
+        loss = model(batch).float().square().sum()
+        loss.backward()
         optimizer.step()
+        return loss.item()
 
+    return step
+
+
+def _copy_calls(wrapper_class: Any, wrap_module: Any, use_orig_params: bool) -> int:
+    step = _training_step(wrapper_class, wrap_module, use_orig_params, param_dtype=torch.bfloat16)
     step()  # lazy initialisation done, for both
     with CopyCounter() as counter:
         step()
     return sum(counter.by_op[name][0] for name in _COPY_OPS)
+
+
+def _collectives_and_losses(wrapper_class: Any, wrap_module: Any, use_orig_params: bool) -> tuple[int, list[float]]:
+    """The collective calls of a step after the first, and the losses of three steps."""
+    step = _training_step(wrapper_class, wrap_module, use_orig_params, param_dtype=torch.bfloat16,
+                          reduce_dtype=torch.bfloat16)
+    losses = [step()]
+    with CollectiveCounter() as counter:
+        losses.append(step())
+    losses.append(step())
+    return counter.stats.as_dict()["count"], losses
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -54,3 +75,17 @@ def test_world_of_one_mixed_precision_step_casts_each_unit_in_one_call(use_orig_
     fsdp1 = diff.fsdp1_value(GOLDEN, diff.golden_key(f"orig{use_orig_params}"),
                              lambda: _copy_calls(diff.TorchFSDP, diff.torch_wrap, use_orig_params))
     assert ours <= fsdp1, f"{ours} data-copy calls in a step against FSDP1's {fsdp1}"
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed_test(world_size=1)
+def test_world_of_one_step_reduces_gradients_without_a_collective(use_orig_params: bool) -> None:
+    """At one rank there is no other rank to reduce with: FSDP1 still all-reduces each unit's flat gradient over
+    its one-rank group (a hand-off to the backend and back per unit); fsdp_compat makes no collective call,
+    and trains the same (bf16 ``param_dtype`` and ``reduce_dtype``: the gradients cast after the reduction)."""
+    collectives, losses = _collectives_and_losses(FSDP, our_wrap, use_orig_params)
+    fsdp1 = diff.fsdp1_value(GOLDEN, diff.golden_key(f"collectives-orig{use_orig_params}"),
+                             lambda: _collectives_and_losses(diff.TorchFSDP, diff.torch_wrap, use_orig_params))
+    assert collectives == 0, f"{collectives} collective calls in a one-rank step"
+    assert fsdp1[0] >= _LAYERS, fsdp1  # (FSDP1's: one all-reduce per unit)
+    diff.assert_close_lists(losses, fsdp1[1], rtol=0, what="losses vs torch FSDP1")
