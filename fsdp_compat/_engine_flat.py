@@ -533,8 +533,8 @@ class LocalShards:
                     piece.view.grad = local.view(piece.shape)
                 continue
             target = self._grad_slice(piece, grad.dtype)
-            if _local(grad).data_ptr() != target.data_ptr() or piece.numel == 0:
-                self._set_engine_grad(piece, _local(grad))
+            if local.data_ptr() != target.data_ptr() or piece.numel == 0:
+                self._set_engine_grad(piece, local)
             if piece.view.grad is None or piece.view.grad.data_ptr() != target.data_ptr() or piece.numel == 0:
                 piece.view.grad = target
         if self.flat_mode:
