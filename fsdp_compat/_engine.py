@@ -266,18 +266,21 @@ def _unshard_in_place_on_one_rank(group: FSDPParamGroup) -> None:
             wait_for_unshard()
             return
         params = group.fsdp_params
+        casts = False
+        mine: list[FSDPParam] = []
+        others: list[FSDPParam] = []
+        for fsdp_param in params:  # one pass: this runs twice a step per unit
+            casts = casts or fsdp_param.param_dtype not in (None, fsdp_param._sharded_param_data.dtype)
+            (mine if _plain_on_one_rank(fsdp_param) else others).append(fsdp_param)
         # FSDP1's NO_SHARD frees its low-precision copy after forward and casts again before backward (its
         # ``post_reshard``), the stored parameters being full already: the same here, for units that cast.
-        casts = any(fsdp_param.param_dtype not in (None, fsdp_param._sharded_param_data.dtype) for fsdp_param in params)
         # (compared with ``mesh_info`` only, never gathered over)
         group.post_forward_mesh_info = cast(FSDPMeshInfo, group.mesh_info) if casts else None
-        mine = [fsdp_param for fsdp_param in params if _plain_on_one_rank(fsdp_param)]
         if not mine:
             wait_for_unshard()
             return
         # The engine's own path for the others (and its bookkeeping: events, state), then these.
-        handled = {id(fsdp_param) for fsdp_param in mine}
-        group.fsdp_params = [fsdp_param for fsdp_param in params if id(fsdp_param) not in handled]
+        group.fsdp_params = others
         try:
             wait_for_unshard()
         finally:
@@ -423,11 +426,15 @@ def _copy_sharded_storage(fsdp_params: list[FSDPParam]) -> None:
     batches: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for fsdp_param in fsdp_params:
         data = fsdp_param._sharded_param_data
-        fsdp_param.init_all_gather_outputs([data.numel()], [fsdp_param.param_dtype or data.dtype], 1,
-                                           fsdp_param.device)
+        if not fsdp_param.all_gather_outputs:  # the engine's own test, before its arguments are built
+            fsdp_param.init_all_gather_outputs([data.numel()], [fsdp_param.param_dtype or data.dtype], 1,
+                                               fsdp_param.device)
         output = fsdp_param.all_gather_outputs[0]
         alloc_storage(output)
-        outputs, sources = batches.setdefault(bool(fsdp_param.offload_to_cpu), ([], []))
+        non_blocking = bool(fsdp_param.offload_to_cpu)
+        if non_blocking not in batches:
+            batches[non_blocking] = ([], [])
+        outputs, sources = batches[non_blocking]
         outputs.append(output)
         sources.append(data)
     for non_blocking, (outputs, sources) in batches.items():

@@ -95,6 +95,15 @@ class _Piece:
     sharded: Any = None  # the engine's sharded DTensor parameter at the last (re)build
     local: torch.Tensor | None = None  # and its local tensor
     shown: torch.Tensor | None = None  # flat mode: the plain tensor last registered in its slots
+    slots_of: Any = None  # the engine's ``_module_info`` that ``slots`` were read from
+    slots: list[tuple[nn.Module, str]] = dataclasses.field(default_factory=list)
+
+    def module_slots(self) -> list[tuple[nn.Module, str]]:
+        """:func:`_slots` of its parameter, read once per ``_module_info`` (twice a step per parameter)."""
+        info = self.fsdp_param._module_info
+        if self.slots_of is not info:
+            self.slots_of, self.slots = info, _slots(self.fsdp_param)
+        return self.slots
 
 
 def _check_supported(fsdp_param: FSDPParam) -> None:
@@ -115,6 +124,7 @@ class LocalShards:
         # as ``_flat_param``), each original slot a plain tensor attribute viewing its piece.
         self.flat_mode = flat_mode
         self.fsdp_params: list[FSDPParam] = _engine.managed_params(module)
+        self.groups = _engine.param_groups(module)  # fixed once the engine built the unit
         for fsdp_param in self.fsdp_params:
             _check_supported(fsdp_param)
         self.engine_depth = 0  # >0: the engine's DTensors stay registered (internal entry points)
@@ -129,7 +139,7 @@ class LocalShards:
         self.flat_params_stale = True  # the pieces were (re)pointed since the flat parameters last looked
         self._build()
         for piece in self.pieces:
-            self._intercept(piece)
+            self._intercept(piece.fsdp_param)
         state = _engine.engine_state(module)
         setattr(state, _ATTR, self)
         _sync_grads_after_backward(cast(_engine.FSDPState, state))
@@ -167,6 +177,8 @@ class LocalShards:
         self.pieces = sorted(pieces, key=lambda piece: order[id(piece.fsdp_param)])
         # Read on every step (writeback, gradient sync): built with the pieces, not filtered each time.
         self.members = [[piece for piece in self.pieces if piece.buffer == index] for index in range(len(self.flats))]
+        # The engine's registrations (:meth:`_intercept`) find the current piece here: a rebuild makes new ones.
+        self.piece_of = {id(piece.fsdp_param): piece for piece in self.pieces}
         for piece in self.pieces:
             self._repoint(piece)
         self.flat_params_stale = True  # :meth:`_ensure_flat_params` reads the re-pointed pieces again
@@ -237,29 +249,30 @@ class LocalShards:
 
     # ---- registration ----
 
-    def _intercept(self, piece: _Piece) -> None:
+    def _intercept(self, fsdp_param: FSDPParam) -> None:
         """Per instance: the engine's registrations of its sharded DTensor register the view instead,
         and ``reset_sharded_param`` (which reads the module slot) sees the DTensor."""
-        fsdp_param = piece.fsdp_param
         setattr_on_modules = fsdp_param._setattr_on_modules
         reset_sharded_param = fsdp_param.reset_sharded_param
 
         def register(param: nn.Parameter) -> None:
+            piece = self.piece_of[id(fsdp_param)]
             if param is fsdp_param.sharded_param and self.engine_depth == 0 and not _constructing:
                 self._register_view(piece, setattr_on_modules)
             else:
-                _drop_plain_attributes(fsdp_param)
+                _drop_plain_attributes(piece.module_slots())
                 setattr_on_modules(param)
 
         def reset() -> None:
+            piece = self.piece_of[id(fsdp_param)]
             showing_view = self._shows_view(piece)
             if showing_view:
-                _drop_plain_attributes(fsdp_param)
+                _drop_plain_attributes(piece.module_slots())
                 setattr_on_modules(fsdp_param.sharded_param)
             reset_sharded_param()
             self.follow()
             if showing_view and self.engine_depth == 0 and not _constructing:
-                self._register_view(piece, setattr_on_modules)
+                self._register_view(self.piece_of[id(fsdp_param)], setattr_on_modules)  # (rebuilt by follow)
 
         fsdp_param._setattr_on_modules = register  # type: ignore[method-assign]
         fsdp_param.reset_sharded_param = reset  # type: ignore[method-assign]
@@ -270,15 +283,20 @@ class LocalShards:
         if not self.flat_mode:
             setattr_on_modules(piece.view)
             return
-        plain = piece.shown = piece.view.data  # one object for every slot: a tied weight stays one tensor
-        for module, name in _slots(piece.fsdp_param):
+        plain = piece.shown
+        # One object for every slot (a tied weight stays one tensor), re-made only where the storage moved
+        # or the user marked it: registered again at every reshard, twice a step per parameter.
+        if plain is None or plain.requires_grad or plain.data_ptr() != piece.data_ptr or piece.numel == 0 \
+                or piece.view.data_ptr() != piece.data_ptr or plain.dtype != piece.view.dtype:
+            plain = piece.shown = piece.view.data
+        for module, name in piece.module_slots():
             module._parameters.pop(name, None)
             module.__dict__[name] = plain
 
     def _shows_view(self, piece: _Piece) -> bool:
         if not self.flat_mode:
             return _slot_value(piece.fsdp_param) is piece.view
-        module, name = _slots(piece.fsdp_param)[0]
+        module, name = piece.module_slots()[0]
         return name in module.__dict__ and name not in module._parameters
 
     def _shows_current_view(self, piece: _Piece) -> bool:
@@ -358,6 +376,7 @@ class LocalShards:
         else:
             self._adopt_replaced_parameters()
             self._unreduced_grads_from_views()
+        unreduced_pieces = self.unreduced_pieces
         for piece in self.pieces:
             view, sharded, data = piece.view, piece.fsdp_param.sharded_param, cast(torch.Tensor, piece.data)
             if piece.numel and (view.data_ptr() != piece.data_ptr or view.dtype != data.dtype):
@@ -370,11 +389,12 @@ class LocalShards:
                 view.data = target
             if sharded.requires_grad != view.requires_grad:
                 sharded.requires_grad_(view.requires_grad)
-            if id(piece) in self.unreduced_pieces:
+            if unreduced_pieces and id(piece) in unreduced_pieces:
                 continue  # its gradient is the engine's unreduced one (``no_sync``), aliased
             grad = view.grad
             if grad is None:
-                sharded.grad = None
+                if sharded.grad is not None:  # (reading is a tenth of the cost of setting, per piece and call)
+                    sharded.grad = None
                 continue
             engine_grad = sharded.grad
             if (engine_grad is None or grad.data_ptr() != _local(engine_grad).data_ptr()
@@ -411,7 +431,8 @@ class LocalShards:
                     _drop_unreduced_grad(piece.fsdp_param)
             if grad is None:
                 for piece in members:
-                    piece.view.grad = None
+                    if piece.view.grad is not None:
+                        piece.view.grad = None
                 continue
             flat = self.grad_flats[index]
             if flat is None or grad.data_ptr() != flat.data_ptr() or grad.dtype != flat.dtype:
@@ -565,10 +586,8 @@ class LocalShards:
         if (current is not None and base.data_ptr() == current.data_ptr()) or base.dim() != 1 \
                 or base.numel() != self.flats[index].numel():
             return
-        if any(getattr(group, "_partial_reduce_output", None) is not None
-               for group in _engine.param_groups(self.module)):
-            return
-        if all(_in_flat(local, base, piece) for piece, local in zip(members, locals_)):
+        if all(_in_flat(local, base, piece) for piece, local in zip(members, locals_)) and not any(
+                getattr(group, "_partial_reduce_output", None) is not None for group in self.groups):
             self.grad_flats[index] = base
 
     # ---- FSDP1's flat-parameter description ----
@@ -673,9 +692,9 @@ def _slots(fsdp_param: FSDPParam) -> list[tuple[nn.Module, str]]:
     return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
 
 
-def _drop_plain_attributes(fsdp_param: FSDPParam) -> None:
-    """Flat mode's plain tensor attributes removed: they would hide what the engine registers next."""
-    for module, name in _slots(fsdp_param):
+def _drop_plain_attributes(slots: list[tuple[nn.Module, str]]) -> None:
+    """Flat mode's plain tensor attributes removed from ``slots``: they would hide what the engine registers next."""
+    for module, name in slots:
         if name not in module._parameters:
             module.__dict__.pop(name, None)
 
