@@ -518,6 +518,25 @@ def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
         group._init_mp_dtypes()
 
 
+def rederive_dtypes_after_apply(module: nn.Module) -> None:
+    """After ``_apply`` (``.double()``, ``.half()``, ``.to(dtype)``) on the engine unit ``module``. The engine
+    derives each parameter's dtypes at its lazy init only and keeps its gather buffers and unsharded parameters
+    in the dtype of that time: after a change past the first forward, the next backward assigned gradients of
+    the old dtype (a ``RuntimeError``). The dtypes are derived again, and where a parameter's changed, its
+    buffers of the old dtype are dropped (the engine's ``_apply`` resharded first: nothing holds them), to be
+    re-made at the next unshard. Training then goes on as the unsharded model's (FSDP1 raises at its next
+    forward there with a sharded strategy)."""
+    for group in param_groups(module):
+        before = [getattr(fsdp_param, "orig_dtype", None) for fsdp_param in group.fsdp_params]
+        group._init_mp_dtypes()
+        for fsdp_param, dtype in zip(group.fsdp_params, before):
+            if dtype is None or dtype == fsdp_param.orig_dtype:
+                continue
+            fsdp_param.all_gather_outputs = []
+            fsdp_param.__dict__.pop("_unsharded_param", None)
+            fsdp_param.__dict__.pop(_PRECISION_BUFFERS, None)
+
+
 # ---- runtime controls: no_sync, summon_full_params, comm hooks, recovery (``_runtime``) ----
 
 

@@ -949,7 +949,10 @@ class EngineParamsOnApply(nn.Module):
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with engine_params(self.modules()):
-            return super()._apply(fn, *args, **kwargs)
+            result = super()._apply(fn, *args, **kwargs)
+            for module in self.modules():
+                _engine.rederive_dtypes_after_apply(module)
+            return result
 
 
 # ---- optimizer state: plain 1-D local tensors outside, the engine's DTensor layout inside ----

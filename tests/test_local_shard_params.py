@@ -249,21 +249,25 @@ def test_assigned_gradients_reach_the_engine():
     assert model.clip_grad_norm_(1e9).item() == pytest.approx(total.sqrt().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("flat", [False, True])
 @distributed_test(world_size=2)
-def test_views_keep_their_identity_and_follow_a_dtype_change():
+def test_views_keep_their_identity_and_follow_a_dtype_change(flat):
+    """``model.double()`` re-lays the storage out: the parameters (views, or flat parameters with
+    ``use_orig_params=False``) keep their identity, become float64 and train; writes to them reach the model.
+    The second step runs on what the first left shown after the re-layout."""
     diff.quiet()
-    model = _wrap("FULL_SHARD")
+    model = _wrap_flat() if flat else _wrap("FULL_SHARD")
     before = list(model.parameters())
     model.double()
     after = list(model.parameters())
-    assert all(a is b for a, b in zip(before, after))
+    assert all(a is b for a, b in zip(before, after, strict=True))
     assert all(param.dtype == torch.float64 for param in after)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    tokens, targets = diff.local_batch(0)
-    logits = model(tokens)
-    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
-    assert all(param.grad is not None and param.grad.dtype == torch.float64 for param in after)
-    optimizer.step()
+    for step in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        diff.loss_fn(model, *diff.local_batch(step)).backward()
+        assert all(param.grad is not None and param.grad.dtype == torch.float64 for param in after)
+        optimizer.step()
     with torch.no_grad():
         for param in after:
             param.fill_(1.0)

@@ -569,3 +569,29 @@ def test_activation_checkpoint_recompute_after_every_view_transition_trains_as_u
     _check("recompute_transitions",
            lambda kind: _checkpointed_run_through_transitions(kind, layout, reentrant, strategy), strategy,
            layout, reentrant, fsdp1_right=True)
+
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@distributed_test(world_size=2)
+def test_training_goes_on_in_the_new_dtype_after_double_mid_training(strategy, use_orig_params):
+    """``model.double()`` after the first steps, with a step's gradients still held: the parameters and
+    gradients become float64 and training goes on as the unsharded model's. FSDP1 is no oracle here: it
+    raises at its next forward (its gather buffers and low-precision copies keep float32) or, with flat
+    parameters under ``NO_SHARD``, trains on a stale buffer (torch 2.13); the engine derives its dtypes at
+    its first forward only, and raised at the next backward before fsdp_compat derived them again."""
+
+    def run(kind: str) -> list[float]:
+        model = _model(kind, strategy, use_orig_params)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = diff.train(model, optimizer, 2, sharded=kind != "ref")
+        diff.loss_fn(model, *_batch(2, kind)).backward()
+        model.double()
+        assert all(param.dtype == torch.float64 and param.grad is not None and param.grad.dtype == torch.float64
+                   for param in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+        return losses + diff.train(model, optimizer, 2, first_step=3, sharded=kind != "ref")
+
+    diff.assert_close_lists(run("ours"), run("ref"), rtol=1e-5, what="ours vs the unsharded model")

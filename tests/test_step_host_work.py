@@ -6,10 +6,12 @@ one tensor per parameter, with one batched copy per unit. A copy call per parame
 parameter on small units (the step CPU time the issue measures), the bytes being the same. Counted, not timed:
 the data-copy ops dispatched over one step (``copy_`` but onto itself, ``_foreach_copy_``, ``_to_copy``), the
 same on every run. Compared with torch FSDP1 run now, or with its golden values (``tests/golden/step_host_work.json``).
+Also the host work of ours a step runs (Python calls into fsdp_compat, counted) is not raised by a re-layout.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -89,3 +91,47 @@ def test_world_of_one_step_reduces_gradients_without_a_collective(use_orig_param
     assert collectives == 0, f"{collectives} collective calls in a one-rank step"
     assert fsdp1[0] >= _LAYERS, fsdp1  # (FSDP1's: one all-reduce per unit)
     diff.assert_close_lists(losses, fsdp1[1], rtol=0, what="losses vs torch FSDP1")
+
+
+def _calls_into_fsdp_compat(step: Callable[[], float]) -> int:
+    """Python calls into fsdp_compat's own code during one ``step()`` (deterministic, unlike its time)."""
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and "/fsdp_compat/" in frame.f_code.co_filename:
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@distributed_test(world_size=1)
+def test_a_step_after_a_re_layout_costs_what_it_did_before(use_orig_params: bool) -> None:
+    """``model.double().float()`` re-lays every unit's storage out (the views follow it): the steps after it
+    run the same host work of ours as before it. (Before, the engine's registrations kept updating the
+    previous layout's bookkeeping, and every forward re-registered each parameter.)"""
+    diff.quiet()
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(*[nn.Linear(_WIDTH, _WIDTH) for _ in range(_LAYERS)]).to(diff.device()),
+                 auto_wrap_policy=our_wrap.ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = torch.randn(8, _WIDTH, device=diff.device())
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(batch).square().sum()
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    step(), step()
+    before = _calls_into_fsdp_compat(step)
+    model.double().float()
+    step(), step()
+    assert _calls_into_fsdp_compat(step) == before
