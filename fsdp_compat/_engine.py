@@ -426,15 +426,11 @@ def _copy_sharded_storage(fsdp_params: list[FSDPParam]) -> None:
     batches: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for fsdp_param in fsdp_params:
         data = fsdp_param._sharded_param_data
-        if not fsdp_param.all_gather_outputs:  # the engine's own test, before its arguments are built
-            fsdp_param.init_all_gather_outputs([data.numel()], [fsdp_param.param_dtype or data.dtype], 1,
-                                               fsdp_param.device)
+        fsdp_param.init_all_gather_outputs([data.numel()], [fsdp_param.param_dtype or data.dtype], 1,
+                                           fsdp_param.device)
         output = fsdp_param.all_gather_outputs[0]
         alloc_storage(output)
-        non_blocking = bool(fsdp_param.offload_to_cpu)
-        if non_blocking not in batches:
-            batches[non_blocking] = ([], [])
-        outputs, sources = batches[non_blocking]
+        outputs, sources = batches.setdefault(bool(fsdp_param.offload_to_cpu), ([], []))
         outputs.append(output)
         sources.append(data)
     for non_blocking, (outputs, sources) in batches.items():
@@ -513,13 +509,12 @@ def set_sharded_param_dtype(module: nn.Module, dtype: torch.dtype) -> None:
         fsdp_param.reset_sharded_param()
         if grad is not None:
             param.grad = grad.to(dtype)
-    # Lazy init (still to come) re-runs this; meanwhile the dtypes must be right for readers.
-    for group in param_groups(module):
-        group._init_mp_dtypes()
+    rederive_dtypes(module)  # lazy init (still to come) re-runs it; meanwhile the dtypes must be right for readers
 
 
-def rederive_dtypes_after_apply(module: nn.Module) -> None:
-    """After ``_apply`` (``.double()``, ``.half()``, ``.to(dtype)``) on the engine unit ``module``. The engine
+def rederive_dtypes(module: nn.Module) -> None:
+    """After the parameters' dtype changed on the engine unit ``module`` (:func:`set_sharded_param_dtype`,
+    ``_apply``: ``.double()``, ``.half()``, ``.to(dtype)``). The engine
     derives each parameter's dtypes at its lazy init only and keeps its gather buffers and unsharded parameters
     in the dtype of that time: after a change past the first forward, the next backward assigned gradients of
     the old dtype (a ``RuntimeError``). The dtypes are derived again, and where a parameter's changed, its

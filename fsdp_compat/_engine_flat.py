@@ -951,7 +951,7 @@ class EngineParamsOnApply(nn.Module):
         with engine_params(self.modules()):
             result = super()._apply(fn, *args, **kwargs)
             for module in self.modules():
-                _engine.rederive_dtypes_after_apply(module)
+                _engine.rederive_dtypes(module)
             return result
 
 
