@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -246,6 +247,7 @@ def follow_precision_at_each_unshard(module: nn.Module, wants_full: Callable[[],
 
 
 _IN_PLACE = "_fsdp_compat_in_place"  # on an unsharded parameter that views the sharded storage
+_PLAIN_ON_ONE_RANK = "_fsdp_compat_plain_on_one_rank"  # on an FSDPParam: (weak ref to its stored data, the answer)
 
 
 def _unshard_in_place_on_one_rank(group: FSDPParamGroup) -> None:
@@ -408,10 +410,17 @@ def _gathers_over_ranks(group: FSDPParamGroup) -> bool:
 
 
 def _plain_on_one_rank(fsdp_param: FSDPParam) -> bool:
-    """Its unsharded parameter is its stored data, whole, possibly in another dtype or on another device."""
-    return (not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
-            and fsdp_param._unsharded_dtensor_spec is None
-            and fsdp_param._sharded_param_data.numel() == fsdp_param._orig_size.numel())
+    """Its unsharded parameter is its stored data, whole, possibly in another dtype or on another device.
+    Read once per stored data (asked at every unshard; a new layout or local tensor comes with new data)."""
+    data = fsdp_param._sharded_param_data
+    known: tuple[weakref.ref[torch.Tensor], bool] | None = fsdp_param.__dict__.get(_PLAIN_ON_ONE_RANK)
+    if known is not None and known[0]() is data:
+        return known[1]
+    plain = (not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
+             and fsdp_param._unsharded_dtensor_spec is None
+             and data.numel() == fsdp_param._orig_size.numel())
+    fsdp_param.__dict__[_PLAIN_ON_ONE_RANK] = (weakref.ref(data), plain)  # weak: the data's memory is not held
+    return plain
 
 
 def _unshardable_in_place(fsdp_param: FSDPParam) -> bool:
@@ -438,7 +447,11 @@ def _copy_sharded_storage(fsdp_params: list[FSDPParam]) -> None:
         with torch.autograd._unsafe_preserve_version_counter(tuple(outputs)):
             torch._foreach_copy_(outputs, sources, non_blocking=non_blocking)
     for fsdp_param in fsdp_params:
-        fsdp_param.init_unsharded_param()
+        # Built once (and again after an in-place one, :func:`_leave_engine_copy_when_not_in_place`); the engine's
+        # own call would only find it built, these parameters having no post-all-gather (:func:`_plain_on_one_rank`).
+        unsharded = fsdp_param.__dict__.get("_unsharded_param")
+        if unsharded is None or getattr(unsharded, _IN_PLACE, False):
+            fsdp_param.init_unsharded_param()
 
 
 def _view_sharded_storage(fsdp_param: FSDPParam) -> None:

@@ -12,7 +12,9 @@ evenly instead; :attr:`LocalShards.shard_infos` describe ours truthfully.
 
 Gradients follow the same layout: after the root's post-backward (the engine's final callback) each view's
 ``.grad`` is a 1-D view into one flat local gradient per unit and dtype, which is also the engine's sharded
-gradient (so the next backward accumulates into it). Writes reach the engine: in-place updates alias its
+gradient (so the next backward accumulates into it). Flat mode shows only the flat parameters' ``.grad``
+(that flat gradient); its views, which no user reaches, hold none: the engine's sharded gradients are the
+pieces' state there. Writes reach the engine: in-place updates alias its
 storage; a replaced ``.data`` or ``.grad``, or ``.grad = None``, is written back (:meth:`LocalShards.writeback`)
 before the next forward and before any internal entry point reads the engine's parameters
 (:func:`engine_params`). Where the engine re-allocates its storage (``reset_sharded_param`` after ``_apply``,
@@ -222,11 +224,16 @@ class LocalShards:
         flat = self.grad_flats[buffer] = torch.zeros_like(self.flats[buffer], dtype=dtype)
         if old is not None:
             flat.copy_(old)
-            for piece in self.pieces:
-                if piece.buffer == buffer and piece.view.grad is not None:
+            for piece in self.members[buffer]:
+                if self._has_grad(piece):
                     self._set_engine_grad(piece, _slice(flat, piece))
-                    piece.view.grad = _slice(flat, piece)
+                    if not self.flat_mode:
+                        piece.view.grad = _slice(flat, piece)
         return flat
+
+    def _has_grad(self, piece: _Piece) -> bool:
+        """Whether ``piece`` holds a gradient: its view's (flat mode: the engine's, its views hold none)."""
+        return (piece.fsdp_param.sharded_param.grad if self.flat_mode else piece.view.grad) is not None
 
     def follow(self) -> None:
         """Rebuild when the engine re-allocated a parameter's storage (views keep their identity)."""
@@ -243,7 +250,8 @@ class LocalShards:
             piece.view.grad = None
             if grad is not None:
                 self._set_engine_grad(piece, _local(grad))
-                piece.view.grad = self._grad_slice(piece, grad.dtype)
+                if not self.flat_mode:
+                    piece.view.grad = self._grad_slice(piece, grad.dtype)
             else:
                 piece.fsdp_param.sharded_param.grad = None
 
@@ -256,12 +264,12 @@ class LocalShards:
         reset_sharded_param = fsdp_param.reset_sharded_param
 
         def register(param: nn.Parameter) -> None:
-            piece = self.piece_of[id(fsdp_param)]
             if param is fsdp_param.sharded_param and self.engine_depth == 0 and not _constructing:
-                self._register_view(piece, setattr_on_modules)
-            else:
-                _drop_plain_attributes(piece.module_slots())
-                setattr_on_modules(param)
+                self._register_view(self.piece_of[id(fsdp_param)], setattr_on_modules)
+                return
+            if self.flat_mode:  # (only flat mode registers plain attributes: four times a step per parameter)
+                _drop_plain_attributes(self.piece_of[id(fsdp_param)].module_slots())
+            setattr_on_modules(param)
 
         def reset() -> None:
             piece = self.piece_of[id(fsdp_param)]
@@ -371,8 +379,9 @@ class LocalShards:
         """What the user changed on a view (``.data`` replaced, ``.grad`` replaced or ``None``,
         ``requires_grad``) reaches the engine."""
         self.absorb_flat_writes()
-        if self.flat_mode:
-            self._flat_grads_to_views()
+        flat_mode = self.flat_mode
+        if flat_mode:
+            self._flat_requires_grad_to_views()
         else:
             self._adopt_replaced_parameters()
             self._unreduced_grads_from_views()
@@ -389,8 +398,8 @@ class LocalShards:
                 view.data = target
             if sharded.requires_grad != view.requires_grad:
                 sharded.requires_grad_(view.requires_grad)
-            if unreduced_pieces and id(piece) in unreduced_pieces:
-                continue  # its gradient is the engine's unreduced one (``no_sync``), aliased
+            if flat_mode or (unreduced_pieces and id(piece) in unreduced_pieces):
+                continue  # flat mode: the flat gradients decide (below); ``no_sync``: the engine's unreduced one
             grad = view.grad
             if grad is None:
                 if sharded.grad is not None:  # (reading is a tenth of the cost of setting, per piece and call)
@@ -401,19 +410,27 @@ class LocalShards:
                     or piece.numel == 0):
                 self._set_engine_grad(piece, grad)
                 view.grad = self._grad_slice(piece, grad.dtype)
+        if flat_mode:
+            self._flat_grads_to_engine()
         for index in range(len(self.grad_flats)):  # every gradient of a buffer cleared: its memory freed
-            if all(piece.view.grad is None for piece in self.members[index]) and not (
-                    index < len(self.flat_params) and self.flat_params[index].grad is not None):
+            if index < len(self.flat_params) and self.flat_params[index].grad is not None:
+                continue
+            if self.grad_flats[index] is not None and not any(self._has_grad(piece) for piece in self.members[index]):
                 self.grad_flats[index] = None
 
-    def _flat_grads_to_views(self) -> None:
-        """Flat mode: the flat parameters' ``requires_grad`` and ``.grad`` (``None``, the flat gradient, or
-        one the user assigned) decide the pieces'."""
+    def _flat_requires_grad_to_views(self) -> None:
+        """Flat mode: the flat parameters' ``requires_grad`` (the user's freezing) decides the pieces'."""
         for index, param in enumerate(self.flat_params):
-            members = self.members[index]
-            for piece in members:
+            for piece in self.members[index]:
                 if piece.view.requires_grad != param.requires_grad:
                     piece.view.requires_grad_(param.requires_grad)
+
+    def _flat_grads_to_engine(self) -> None:
+        """Flat mode: each flat parameter's ``.grad`` (``None``, the flat gradient, or one the user assigned)
+        decides its pieces' engine gradients: none, or each its slice of the flat gradient (zeros where it had
+        none: FSDP1's flat gradient covers every parameter)."""
+        for index, param in enumerate(self.flat_params):
+            members = self.members[index]
             grad = param.grad
             unreduced = self.unreduced_flats[index] if index < len(self.unreduced_flats) else None
             if unreduced is not None:  # ``no_sync``: the flat unreduced gradient shown
@@ -431,17 +448,19 @@ class LocalShards:
                     _drop_unreduced_grad(piece.fsdp_param)
             if grad is None:
                 for piece in members:
-                    if piece.view.grad is not None:
-                        piece.view.grad = None
+                    sharded = piece.fsdp_param.sharded_param
+                    if sharded.grad is not None:  # (reading is a tenth of the cost of setting)
+                        sharded.grad = None
                 continue
             flat = self.grad_flats[index]
             if flat is None or grad.data_ptr() != flat.data_ptr() or grad.dtype != flat.dtype:
                 flat = self._new_grad_flat(index, grad.dtype)
                 flat.copy_(grad)
                 param.grad = flat
-            for piece in members:  # each piece's gradient its slice of it (kept where it is already)
-                if not _is_slice(piece.view.grad, flat, piece):
-                    piece.view.grad = _slice(flat, piece)
+            for piece in members:  # each piece's engine gradient its slice of it (kept where it is already)
+                engine_grad = piece.fsdp_param.sharded_param.grad
+                if engine_grad is None or piece.numel == 0 or not _in_flat(_local(engine_grad), flat, piece):
+                    self._set_engine_grad(piece, _slice(flat, piece))
 
     def _replaced_parameters(self) -> list[tuple[_Piece, nn.Parameter]]:
         """The pieces whose module slot the user re-assigned (``module.weight = nn.Parameter(...)``), with
@@ -537,58 +556,66 @@ class LocalShards:
 
     @torch.no_grad()
     def sync_grads(self) -> None:
-        """After backward: each view's ``.grad`` a view of the flat local gradient, which is the engine's
-        (inside ``no_sync``: the unreduced gradient, :meth:`_show_unreduced_grads`)."""
-        for index in range(len(self.flats)):
-            self._adopt_engine_grads(index)
+        """After backward: each engine gradient a slice of the flat local gradient, and each view's ``.grad``
+        that slice (flat mode: each flat parameter's ``.grad`` the flat gradient); inside ``no_sync``: the
+        unreduced gradient, :meth:`_show_unreduced_grads`."""
+        flat_mode = self.flat_mode
+        adopted = [self._adopt_engine_grads(index) for index in range(len(self.flats))]
         for piece in self.pieces:
+            if flat_mode and piece.numel and adopted[piece.buffer]:
+                continue  # its engine gradient is its slice of the flat gradient; its view shows none
             grad = piece.fsdp_param.sharded_param.grad
             if grad is None:
-                piece.view.grad = None
+                if not flat_mode:
+                    piece.view.grad = None
                 continue
             flat, local = self.grad_flats[piece.buffer], _local(grad)
             if flat is not None and piece.numel and _in_flat(local, flat, piece) and local.is_contiguous():
                 # The engine's gradient is the piece's slice of the flat gradient (every step: the flat gradient
                 # is its reduce output, adopted): the view's is then that slice too, made from it (one view op).
-                if not _is_slice(piece.view.grad, flat, piece):
+                if not flat_mode and not _is_slice(piece.view.grad, flat, piece):
                     piece.view.grad = local.view(piece.shape)
                 continue
             target = self._grad_slice(piece, grad.dtype)
             if local.data_ptr() != target.data_ptr() or piece.numel == 0:
                 self._set_engine_grad(piece, local)
-            if piece.view.grad is None or piece.view.grad.data_ptr() != target.data_ptr() or piece.numel == 0:
+            if not flat_mode and (piece.view.grad is None or piece.view.grad.data_ptr() != target.data_ptr()
+                                  or piece.numel == 0):
                 piece.view.grad = target
-        if self.flat_mode:
+        if flat_mode:
             for index, param in enumerate(self.flat_params):
                 members = self.members[index]
                 flat = self.grad_flats[index]
-                if flat is None or all(piece.view.grad is None for piece in members):
+                without = [piece for piece in members if piece.fsdp_param.sharded_param.grad is None]
+                if flat is None or len(without) == len(members):
                     param.grad = None
                     continue
-                for piece in members:  # no gradient this time: zeros in the flat gradient, as FSDP1
-                    if piece.view.grad is None:
-                        flat[piece.offset:piece.offset + piece.numel].zero_()
+                for piece in without:  # no gradient this time: zeros in the flat gradient, as FSDP1
+                    flat[piece.offset:piece.offset + piece.numel].zero_()
                 param.grad = flat
         self._show_unreduced_grads()
 
-    def _adopt_engine_grads(self, index: int) -> None:
+    def _adopt_engine_grads(self, index: int) -> bool:
         """Where the engine's new gradients of buffer ``index`` are views of one 1-D buffer in exactly our
         layout (its reduce-scatter output: each parameter's padded chunk, in order, padding reduced from
         zeros), that buffer becomes the flat gradient: no copy, and not two copies of the gradients alive.
-        Not while the engine keeps that output to add to later (HSDP without all-reduce)."""
+        Not while the engine keeps that output to add to later (HSDP without all-reduce). Returns whether it
+        did (each engine gradient is then its piece's slice of the flat gradient, contiguous)."""
         members = self.members[index]
         grads = [piece.fsdp_param.sharded_param.grad for piece in members]
         if not members or any(grad is None for grad in grads):
-            return
+            return False
         locals_ = [_local(grad) for grad in grads]
         base = locals_[0]._base if locals_[0]._base is not None else locals_[0]
         current = self.grad_flats[index]
         if (current is not None and base.data_ptr() == current.data_ptr()) or base.dim() != 1 \
                 or base.numel() != self.flats[index].numel():
-            return
-        if all(_in_flat(local, base, piece) for piece, local in zip(members, locals_)) and not any(
-                getattr(group, "_partial_reduce_output", None) is not None for group in self.groups):
+            return False
+        if all(_in_flat(local, base, piece) and local.is_contiguous() for piece, local in zip(members, locals_)) \
+                and not any(getattr(group, "_partial_reduce_output", None) is not None for group in self.groups):
             self.grad_flats[index] = base
+            return True
+        return False
 
     # ---- FSDP1's flat-parameter description ----
 
@@ -611,7 +638,7 @@ class LocalShards:
         self.writeback()
         self._ensure_flat_params()
         for index, param in enumerate(self.flat_params):
-            with_grad = [piece for piece in self.pieces if piece.buffer == index and piece.view.grad is not None]
+            with_grad = any(self._has_grad(piece) for piece in self.members[index])
             param.grad = self.grad_flats[index] if with_grad else None
         return self.flat_params
 
@@ -655,7 +682,7 @@ class LocalShards:
 
 def _local(tensor: Any) -> torch.Tensor:
     """A sharded DTensor's local tensor (no autograd node, unlike ``to_local()``)."""
-    return cast(torch.Tensor, tensor._local_tensor)
+    return tensor._local_tensor  # type: ignore[no-any-return]  # (no ``cast`` call: read several times a step per piece)
 
 
 def _view_shape(fsdp_param: FSDPParam, numel: int) -> tuple[int, ...]:

@@ -431,6 +431,47 @@ def test_optimizer_over_flat_parameters_trains_like_fsdp1(optimizer_name):
                              lambda: train(_wrap_flat(fsdp1=True)))
 
 
+def _train_handling_flat_gradients(model: nn.Module) -> list[float]:
+    """Steps that touch the flat parameters' ``.grad`` the ways trainers do: zeroed in place, accumulated over
+    two backwards, replaced by a new tensor, cleared between forward and backward (Lightning's closure)."""
+    optimizer = diff.make_optimizer("sgd", model.parameters())
+    losses = []
+
+    def backward(step: int) -> None:
+        loss = diff.loss_fn(model, *diff.local_batch(step))
+        loss.backward()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / dist.get_world_size())
+
+    backward(0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # zeroed in place: the next backward accumulates into it
+    backward(1)
+    backward(2)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    backward(3)
+    for param in model.parameters():
+        param.grad = param.grad * 0.5  # a new tensor: the optimizer must step with its values
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = diff.loss_fn(model, *diff.local_batch(4))
+    optimizer.zero_grad(set_to_none=True)  # between forward and backward: nothing to clear, nothing stale
+    loss.backward()
+    optimizer.step()
+    backward(5)
+    return losses
+
+
+@distributed_test(world_size=2)
+def test_flat_gradients_zeroed_accumulated_replaced_or_cleared_train_as_fsdp1():
+    diff.quiet()
+    ours = _train_handling_flat_gradients(_wrap_flat())
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key("flat-grad-handling"), ours,
+                             lambda: _train_handling_flat_gradients(_wrap_flat(fsdp1=True)))
+
+
 @distributed_test(world_size=2)
 def test_flat_gradient_after_backward_holds_every_piece_gradient():
     diff.quiet()
