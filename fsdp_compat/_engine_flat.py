@@ -238,9 +238,9 @@ class LocalShards:
     def follow(self) -> None:
         """Rebuild when the engine re-allocated a parameter's storage (views keep their identity)."""
         for piece in self.pieces:  # several times a step per unit: a plain loop, each object compared once
-            fsdp_param = piece.fsdp_param
-            if (fsdp_param._sharded_param_data is not piece.data or fsdp_param.sharded_param is not piece.sharded
-                    or _local(piece.sharded) is not piece.local):
+            fsdp_param, sharded = piece.fsdp_param, piece.sharded
+            if (sharded._local_tensor is not piece.local or fsdp_param._sharded_param_data is not piece.data
+                    or fsdp_param.sharded_param is not sharded):
                 break
         else:
             return
@@ -297,7 +297,8 @@ class LocalShards:
         if plain is None or plain.requires_grad or plain.data_ptr() != piece.data_ptr or piece.numel == 0 \
                 or piece.view.data_ptr() != piece.data_ptr or plain.dtype != piece.view.dtype:
             plain = piece.shown = piece.view.data
-        for module, name in piece.module_slots():
+        slots = piece.slots if piece.slots_of is piece.fsdp_param._module_info else piece.module_slots()
+        for module, name in slots:
             module._parameters.pop(name, None)
             module.__dict__[name] = plain
 
@@ -379,12 +380,30 @@ class LocalShards:
         """What the user changed on a view (``.data`` replaced, ``.grad`` replaced or ``None``,
         ``requires_grad``) reaches the engine."""
         self.absorb_flat_writes()
-        flat_mode = self.flat_mode
-        if flat_mode:
-            self._flat_requires_grad_to_views()
+        if self.flat_mode:
+            # No user reaches flat mode's views (its slots show plain tensors, its parameters are the flat
+            # ones): only the flat parameters' flags and gradients can have changed.
+            self._flat_requires_grad_to_engine()
+            self._flat_grads_to_engine()
         else:
-            self._adopt_replaced_parameters()
-            self._unreduced_grads_from_views()
+            self._views_to_engine()
+        for index in range(len(self.grad_flats)):  # every gradient of a buffer cleared: its memory freed
+            if self.grad_flats[index] is None:
+                continue
+            if index < len(self.flat_params):
+                if self.flat_params[index].grad is not None:
+                    continue
+                if self.flat_mode:  # its pieces' engine gradients were just dropped with it
+                    self.grad_flats[index] = None
+                    continue
+            if not any(self._has_grad(piece) for piece in self.members[index]):
+                self.grad_flats[index] = None
+
+    def _views_to_engine(self) -> None:
+        """``use_orig_params=True``: each view's ``.data``, ``requires_grad`` and ``.grad`` (``None``, its slice
+        of the flat gradient, or one the user assigned) decide the engine's."""
+        self._adopt_replaced_parameters()
+        self._unreduced_grads_from_views()
         unreduced_pieces = self.unreduced_pieces
         for piece in self.pieces:
             view, sharded, data = piece.view, piece.fsdp_param.sharded_param, cast(torch.Tensor, piece.data)
@@ -398,8 +417,8 @@ class LocalShards:
                 view.data = target
             if sharded.requires_grad != view.requires_grad:
                 sharded.requires_grad_(view.requires_grad)
-            if flat_mode or (unreduced_pieces and id(piece) in unreduced_pieces):
-                continue  # flat mode: the flat gradients decide (below); ``no_sync``: the engine's unreduced one
+            if unreduced_pieces and id(piece) in unreduced_pieces:
+                continue  # its gradient is the engine's unreduced one (``no_sync``), aliased
             grad = view.grad
             if grad is None:
                 if sharded.grad is not None:  # (reading is a tenth of the cost of setting, per piece and call)
@@ -410,20 +429,18 @@ class LocalShards:
                     or piece.numel == 0):
                 self._set_engine_grad(piece, grad)
                 view.grad = self._grad_slice(piece, grad.dtype)
-        if flat_mode:
-            self._flat_grads_to_engine()
-        for index in range(len(self.grad_flats)):  # every gradient of a buffer cleared: its memory freed
-            if index < len(self.flat_params) and self.flat_params[index].grad is not None:
-                continue
-            if self.grad_flats[index] is not None and not any(self._has_grad(piece) for piece in self.members[index]):
-                self.grad_flats[index] = None
 
-    def _flat_requires_grad_to_views(self) -> None:
-        """Flat mode: the flat parameters' ``requires_grad`` (the user's freezing) decides the pieces'."""
+    def _flat_requires_grad_to_engine(self) -> None:
+        """Flat mode: the flat parameters' ``requires_grad`` (the user's freezing) decides the pieces' views'
+        and the engine's parameters'."""
         for index, param in enumerate(self.flat_params):
+            requires_grad = param.requires_grad
             for piece in self.members[index]:
-                if piece.view.requires_grad != param.requires_grad:
-                    piece.view.requires_grad_(param.requires_grad)
+                if piece.view.requires_grad != requires_grad:
+                    piece.view.requires_grad_(requires_grad)
+                sharded = piece.fsdp_param.sharded_param
+                if sharded.requires_grad != requires_grad:
+                    sharded.requires_grad_(requires_grad)
 
     def _flat_grads_to_engine(self) -> None:
         """Flat mode: each flat parameter's ``.grad`` (``None``, the flat gradient, or one the user assigned)
