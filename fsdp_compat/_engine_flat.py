@@ -297,8 +297,7 @@ class LocalShards:
         if plain is None or plain.requires_grad or plain.data_ptr() != piece.data_ptr or piece.numel == 0 \
                 or piece.view.data_ptr() != piece.data_ptr or plain.dtype != piece.view.dtype:
             plain = piece.shown = piece.view.data
-        slots = piece.slots if piece.slots_of is piece.fsdp_param._module_info else piece.module_slots()
-        for module, name in slots:
+        for module, name in piece.module_slots():
             module._parameters.pop(name, None)
             module.__dict__[name] = plain
 
@@ -388,14 +387,9 @@ class LocalShards:
         else:
             self._views_to_engine()
         for index in range(len(self.grad_flats)):  # every gradient of a buffer cleared: its memory freed
-            if self.grad_flats[index] is None:
+            if self.grad_flats[index] is None or (
+                    index < len(self.flat_params) and self.flat_params[index].grad is not None):
                 continue
-            if index < len(self.flat_params):
-                if self.flat_params[index].grad is not None:
-                    continue
-                if self.flat_mode:  # its pieces' engine gradients were just dropped with it
-                    self.grad_flats[index] = None
-                    continue
             if not any(self._has_grad(piece) for piece in self.members[index]):
                 self.grad_flats[index] = None
 
@@ -468,6 +462,7 @@ class LocalShards:
                     sharded = piece.fsdp_param.sharded_param
                     if sharded.grad is not None:  # (reading is a tenth of the cost of setting)
                         sharded.grad = None
+                self.grad_flats[index] = None  # no piece holds a gradient now: its memory freed
                 continue
             flat = self.grad_flats[index]
             if flat is None or grad.data_ptr() != flat.data_ptr() or grad.dtype != flat.dtype:

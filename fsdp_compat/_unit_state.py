@@ -101,8 +101,7 @@ def state_of(module: Any) -> UnitState | None:
 
 def units_in(module: nn.Module) -> list[UnitState]:
     """The states of every wrapper in ``module`` (itself included), pre-order."""
-    # (:func:`state_of` inlined: the root walks its tree at every forward and every ``clip_grad_norm_``)
-    return [state for sub in module.modules() if (state := sub.__dict__.get(STATE_ATTR)) is not None]
+    return [state for sub in module.modules() if (state := state_of(sub)) is not None]
 
 
 def units_with_paths(root: nn.Module) -> list[tuple[str, UnitState]]:
