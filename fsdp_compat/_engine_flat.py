@@ -39,7 +39,7 @@ import dataclasses
 import math
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -79,6 +79,26 @@ class ShardParamInfo:
     numel_in_shard: int | None
     intra_param_start_idx: int | None  # into the flattened full parameter, inclusive
     intra_param_end_idx: int | None  # inclusive, as FSDP1's
+
+
+class _FlatGrad(NamedTuple):
+    """A flat parameter's ``.grad`` as a writeback gave it to the engine."""
+
+    grad: torch.Tensor | None  # (held no longer than ours: ``None`` or the flat gradient the unit keeps)
+    address: int | None  # a ``.data`` swap keeps the object
+    dtype: torch.dtype | None
+
+    @staticmethod
+    def of(param: nn.Parameter) -> _FlatGrad:
+        grad = param.grad
+        return _FlatGrad(grad, None, None) if grad is None else _FlatGrad(grad, grad.data_ptr(), grad.dtype)
+
+
+def _same_grads(asked: list[_FlatGrad], given: list[_FlatGrad] | None) -> bool:
+    """Whether ``asked`` is what ``given`` records (the gradients compared as objects, never by value)."""
+    return given is not None and len(asked) == len(given) and all(
+        now.grad is then.grad and now.address == then.address and now.dtype == then.dtype
+        for now, then in zip(asked, given))
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,6 +158,10 @@ class LocalShards:
         # ``no_sync``: the unreduced gradients shown (FSDP1's): flat mode's per buffer, and the pieces showing one.
         self.unreduced_flats: list[torch.Tensor | None] = []
         self.unreduced_pieces: set[int] = set()
+        # Flat mode: the flat parameters' flags and gradients the engine was last given (:meth:`writeback`),
+        # while nothing else changed its side since; ``None`` where something may have.
+        self.flat_flags_given: list[bool] | None = None
+        self.flat_grads_given: list[_FlatGrad] | None = None
         self.flat_params_stale = True  # the pieces were (re)pointed since the flat parameters last looked
         self._build()
         for piece in self.pieces:
@@ -156,6 +180,7 @@ class LocalShards:
         locals_ = [_local(fsdp_param.sharded_param) for fsdp_param in self.fsdp_params]
         dtypes = list(dict.fromkeys(local.dtype for local in locals_))
         self.flats, self.grad_flats, pieces = [], [], []
+        self.forget_given()  # new pieces, their flags the engine's
         for index, dtype in enumerate(dtypes):
             members = [(p, local) for p, local in zip(self.fsdp_params, locals_) if local.dtype == dtype]
             sizes = [math.prod(p.padded_sharded_param_size) for p, _ in members]
@@ -221,6 +246,7 @@ class LocalShards:
     def _new_grad_flat(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
         """Allocate buffer ``buffer``'s flat gradient in ``dtype``, the gradients already there carried over."""
         old = self.grad_flats[buffer]
+        self.flat_grads_given = None
         flat = self.grad_flats[buffer] = torch.zeros_like(self.flats[buffer], dtype=dtype)
         if old is not None:
             flat.copy_(old)
@@ -367,6 +393,7 @@ class LocalShards:
 
     def _set_engine_grad(self, piece: _Piece, values: torch.Tensor) -> None:
         """The engine's sharded gradient becomes (a DTensor over) ``piece``'s gradient slice holding ``values``."""
+        self.flat_grads_given = None
         target = self._grad_slice(piece, values.dtype)
         if values.data_ptr() != target.data_ptr() or piece.numel == 0:
             with torch.no_grad():
@@ -374,24 +401,47 @@ class LocalShards:
         fsdp_param = piece.fsdp_param
         fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(target.view(fsdp_param.sharded_size))
 
-    @torch.no_grad()
     def writeback(self) -> None:
         """What the user changed on a view (``.data`` replaced, ``.grad`` replaced or ``None``,
         ``requires_grad``) reaches the engine."""
         self.absorb_flat_writes()
         if self.flat_mode:
             # No user reaches flat mode's views (its slots show plain tensors, its parameters are the flat
-            # ones): only the flat parameters' flags and gradients can have changed.
-            self._flat_requires_grad_to_engine()
+            # ones): only the flat parameters' flags and gradients can have changed. The engine's side (an
+            # object per parameter) is read only where they differ from what it was last given: the flags
+            # change where the user freezes, the gradients at ``zero_grad()`` and in backward, not from a
+            # forward to its backward nor over an evaluation loop's forwards.
+            flags = [param.requires_grad for param in self.flat_params]
+            if flags != self.flat_flags_given:
+                self._flat_requires_grad_to_engine()
+                self.flat_flags_given = flags
+            if _same_grads([_FlatGrad.of(param) for param in self.flat_params], self.flat_grads_given):
+                return
+        self._write_grads()
+
+    @torch.no_grad()
+    def _write_grads(self) -> None:
+        """The gradients written to the engine (``use_orig_params=True``: every change on the views), and
+        each buffer whose gradients are all cleared freed."""
+        if self.flat_mode:
             self._flat_grads_to_engine()
         else:
             self._views_to_engine()
-        for index in range(len(self.grad_flats)):  # every gradient of a buffer cleared: its memory freed
+        for index in range(len(self.grad_flats)):
             if self.grad_flats[index] is None or (
                     index < len(self.flat_params) and self.flat_params[index].grad is not None):
                 continue
             if not any(self._has_grad(piece) for piece in self.members[index]):
                 self.grad_flats[index] = None
+        if self.flat_mode:  # (its flat gradients may have become the ``.grad``s; inside ``no_sync``, where
+            # the unreduced gradients are shown, the full path each time)
+            self.flat_grads_given = None if any(flat is not None for flat in self.unreduced_flats) else [
+                _FlatGrad.of(param) for param in self.flat_params]
+
+    def forget_given(self) -> None:
+        """The engine's side may have changed outside :meth:`writeback` (its parameters re-laid out, or used
+        directly by an entry point, an iteration reset): the next writeback reads it all again."""
+        self.flat_flags_given = self.flat_grads_given = None
 
     def _views_to_engine(self) -> None:
         """``use_orig_params=True``: each view's ``.data``, ``requires_grad`` and ``.grad`` (``None``, its slice
@@ -533,13 +583,16 @@ class LocalShards:
                 _drop_unreduced_grad(piece.fsdp_param)
                 piece.fsdp_param.sharded_param.grad = None
 
-    def _show_unreduced_grads(self) -> None:
+    def _show_unreduced_grads(self, reduced: bool = False) -> None:
         """After a backward inside ``no_sync`` the engine holds each parameter's gradient unreduced and
         unsharded (this rank's own accumulation): FSDP1 shows that as ``p.grad``, in the parameter's full
         shape (``use_orig_params=False``: the flat parameter's ``.grad`` is the unit's unpadded full flat
-        gradient), until a synced backward reduces it. Shown aliased: writes reach what the engine reduces."""
+        gradient), until a synced backward reduces it. Shown aliased: writes reach what the engine reduces.
+        ``reduced``: known to be none, the engine's parameters not read."""
         self.unreduced_pieces.clear()
         self.unreduced_flats = [None] * len(self.flats)
+        if reduced:
+            return
         if not self.flat_mode:
             for piece in self.pieces:
                 if (unreduced := _unreduced_grad(piece.fsdp_param)) is not None:
@@ -567,11 +620,13 @@ class LocalShards:
             self.unreduced_pieces.update(id(piece) for piece in members)
 
     @torch.no_grad()
-    def sync_grads(self) -> None:
+    def sync_grads(self, reduced: bool = False) -> None:
         """After backward: each engine gradient a slice of the flat local gradient, and each view's ``.grad``
         that slice (flat mode: each flat parameter's ``.grad`` the flat gradient); inside ``no_sync``: the
-        unreduced gradient, :meth:`_show_unreduced_grads`."""
+        unreduced gradient, :meth:`_show_unreduced_grads`. ``reduced``: the engine holds no unreduced
+        gradient (every group of the unit reduced in the backward that just ended)."""
         flat_mode = self.flat_mode
+        self.flat_grads_given = None  # the engine's gradients are new
         adopted = [self._adopt_engine_grads(index) for index in range(len(self.flats))]
         for piece in self.pieces:
             if flat_mode and piece.numel and adopted[piece.buffer]:
@@ -598,14 +653,15 @@ class LocalShards:
             for index, param in enumerate(self.flat_params):
                 members = self.members[index]
                 flat = self.grad_flats[index]
-                without = [piece for piece in members if piece.fsdp_param.sharded_param.grad is None]
+                without = [] if adopted[index] else [
+                    piece for piece in members if piece.fsdp_param.sharded_param.grad is None]
                 if flat is None or len(without) == len(members):
                     param.grad = None
                     continue
                 for piece in without:  # no gradient this time: zeros in the flat gradient, as FSDP1
                     flat[piece.offset:piece.offset + piece.numel].zero_()
                 param.grad = flat
-        self._show_unreduced_grads()
+        self._show_unreduced_grads(reduced)
 
     def _adopt_engine_grads(self, index: int) -> bool:
         """Where the engine's new gradients of buffer ``index`` are views of one 1-D buffer in exactly our
@@ -793,12 +849,13 @@ def _sync_grads_after_backward(state: _engine.FSDPState) -> None:
 
     @torch.compiler.disable  # as the engine's own callback: dynamo (compiled autograd) must not trace it
     def callback_then_sync() -> None:
-        callback()
+        callback()  # every group's post-backward has run in this backward (the callback runs the rest)
         for each in state._state_ctx.all_states or [state]:
             shards = getattr(each, _ATTR, None)
             if shards is not None:
                 shards.follow()
-                shards.sync_grads()
+                # A group that reduced there holds no unreduced gradient (outside ``no_sync``).
+                shards.sync_grads(reduced=all(group.reduce_grads for group in shards.groups))
                 shards.show()
 
     setattr(callback_then_sync, _ATTR, True)
@@ -816,6 +873,7 @@ def _writeback_before_backward(state: _engine.FSDPState, shards: LocalShards) ->
         shards.follow()
         shards.writeback()
         result = pre_backward(*args, **kwargs)
+        shards.flat_grads_given = None  # the backward now writes the engine's gradients
         shards.show_unsharded()  # those the engine kept unsharded since the forward showed their views
         return result
 
@@ -919,6 +977,13 @@ def writeback(modules: Iterable[nn.Module]) -> None:
             shards.writeback()
 
 
+def forget_given(modules: Iterable[nn.Module]) -> None:
+    """:meth:`LocalShards.forget_given` for the units ``modules`` (an interrupted iteration was reset)."""
+    for module in modules:
+        if (shards := local_shards(module)) is not None:
+            shards.forget_given()
+
+
 def engine_grads(modules: Iterable[tuple[nn.Module, bool]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[int]]:
     """The gradients of the units ``modules`` (each with whether it is flat) that show plain views (users'
     changes written back first), each as ``(local tensor to read and scale, the engine's DTensor gradient
@@ -971,6 +1036,8 @@ def engine_params(modules: Iterable[nn.Module], keep_parameter_views: bool = Fal
     try:
         yield
     finally:
+        for shards in all_shards:  # the entry point had the engine's parameters themselves
+            shards.forget_given()
         for shards in switched:
             shards.engine_depth -= 1
             shards.follow()

@@ -56,6 +56,7 @@ def root_pre_forward(root: UnitState, args: tuple[Any, ...],
     # After a forward or backward that raised midway (FSDP1 stays mid-iteration), the engine is reset: that
     # step's unreduced gradients (and no_sync accumulation) are dropped, reduced ones stay until zero_grad().
     if _engine.recover_interrupted_iteration(root.module):
+        _engine_flat.forget_given(unit.module for unit in units)
         warn_once("recovered_iteration", "A previous forward or backward raised midway; "
                   "fsdp_compat reset the FSDP engine and dropped that step's unreduced gradients. "
                   "Call optimizer.zero_grad() after such a step if it may have reduced some.")

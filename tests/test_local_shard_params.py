@@ -11,6 +11,7 @@ optimizers, ``num_params()``); the oracle is torch FSDP1 running the same code (
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -464,12 +465,67 @@ def _train_handling_flat_gradients(model: nn.Module) -> list[float]:
     return losses
 
 
+def _check_flat_training_against_fsdp1(key: str, train: Callable[[nn.Module], list[float]]) -> None:
+    """``train`` on our flat-parameter model gives FSDP1's losses (or their golden copy)."""
+    diff.quiet()
+    diff.check_against_fsdp1(GOLDEN, diff.golden_key(key), train(_wrap_flat()),
+                             lambda: train(_wrap_flat(fsdp1=True)))
+
+
 @distributed_test(world_size=2)
 def test_flat_gradients_zeroed_accumulated_replaced_or_cleared_train_as_fsdp1():
-    diff.quiet()
-    ours = _train_handling_flat_gradients(_wrap_flat())
-    diff.check_against_fsdp1(GOLDEN, diff.golden_key("flat-grad-handling"), ours,
-                             lambda: _train_handling_flat_gradients(_wrap_flat(fsdp1=True)))
+    _check_flat_training_against_fsdp1("flat-grad-handling", _train_handling_flat_gradients)
+
+
+def _train_changing_flat_parameters_between_forward_and_backward(model: nn.Module) -> list[float]:
+    """Steps whose flat parameters change where no backward follows at once: their gradients replaced, or
+    given new storage, between a forward and its backward; a flat parameter frozen and unfrozen between steps;
+    evaluation forwards between steps. Each change must reach the backward and optimizer step that follow."""
+    optimizer = diff.make_optimizer("sgd", model.parameters())
+    params = list(model.parameters())
+    losses = []
+
+    def record(loss: torch.Tensor) -> None:
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / dist.get_world_size())
+
+    def step(index: int, between: Callable[[], None] = lambda: None) -> None:
+        loss = diff.loss_fn(model, *diff.local_batch(index))
+        between()
+        loss.backward()
+        optimizer.step()
+        record(loss)
+
+    def halve_gradients() -> None:
+        for param in params:
+            param.grad = param.grad * 0.5  # a new tensor: the backward accumulates into it
+
+    def gradients_on_new_storage() -> None:
+        for param in params:
+            param.grad.data = torch.full_like(param.grad, 1e-3)  # the same object over new memory
+
+    step(0)  # gradients kept: the next backward accumulates
+    step(1, halve_gradients)
+    step(2, gradients_on_new_storage)
+    optimizer.zero_grad(set_to_none=True)
+    params[1].requires_grad_(False)
+    step(3)
+    with torch.no_grad():
+        for index in (4, 5):
+            record(diff.loss_fn(model, *diff.local_batch(index)))
+    params[1].requires_grad_(True)
+    optimizer.zero_grad(set_to_none=True)
+    step(6)
+    with torch.no_grad():  # the last step's update, seen through the model
+        record(diff.loss_fn(model, *diff.local_batch(7)))
+    return losses
+
+
+@distributed_test(world_size=2)
+def test_flat_parameters_changed_between_forward_and_backward_or_between_steps_train_as_fsdp1():
+    _check_flat_training_against_fsdp1("flat-changes-between",
+                                       _train_changing_flat_parameters_between_forward_and_backward)
 
 
 @distributed_test(world_size=2)

@@ -43,10 +43,10 @@ def _build(wrapper_class, strategy: str = "FULL_SHARD", **kwargs) -> nn.Module:
     is_fsdp1 = wrapper_class is diff.TorchFSDP
     if strategy in HYBRID:
         kwargs.setdefault("device_mesh", _hybrid_mesh())
+    kwargs.setdefault("use_orig_params", True)
     policy = diff.block_policy_torch() if is_fsdp1 else fsdp_compat.wrap.ModuleWrapPolicy({Block})
     return wrapper_class(diff.make_model(), sharding_strategy=fsdp_compat.ShardingStrategy[strategy],
-                         auto_wrap_policy=policy, use_orig_params=True,
-                         **(diff.fsdp1_kwargs() if is_fsdp1 else {}), **kwargs)
+                         auto_wrap_policy=policy, **(diff.fsdp1_kwargs() if is_fsdp1 else {}), **kwargs)
 
 
 def _gradient_collectives(comm: CommDebugMode) -> int:
@@ -412,6 +412,23 @@ def test_training_resumes_after_a_step_that_raised(where, strategy):
     optimizer = diff.make_optimizer("adamw", model.parameters())
     losses = diff.train(model, optimizer, 1)
     _failing_step(model, where)
+    optimizer.zero_grad()
+    losses += diff.train(model, optimizer, 3, first_step=1)
+    reference_losses, reference_params = diff.reference_run("adamw", 4)
+    diff.assert_close_lists(losses, reference_losses)
+    diff.assert_close_dicts(diff.full_parameters(model), reference_params)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@distributed_test(world_size=2)
+def test_flat_parameters_train_on_after_a_backward_that_raised(strategy):
+    """``use_orig_params=False``: the gradients the raised backward left in the engine for some units (none
+    reached the flat parameters) are dropped, so the next steps are the reference's."""
+    diff.quiet()
+    model = _build(FSDP, strategy, use_orig_params=False)
+    optimizer = diff.make_optimizer("adamw", model.parameters())
+    losses = diff.train(model, optimizer, 1)
+    _failing_step(model, "backward")
     optimizer.zero_grad()
     losses += diff.train(model, optimizer, 3, first_step=1)
     reference_losses, reference_params = diff.reference_run("adamw", 4)

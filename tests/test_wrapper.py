@@ -248,6 +248,34 @@ def test_module_surface():
     assert isinstance(sequential[0], nn.Linear)  # __getitem__ forwarding
 
 
+def _shared_unit_tree(wrapper_class) -> nn.Module:
+    """A root over a unit registered in two places (met once), an empty child slot, and a unit nested
+    in another: the module tree shapes a walk over the units must not double, skip or reorder."""
+    torch.manual_seed(0)
+    shared = wrapper_class(nn.Sequential(nn.Linear(4, 4), wrapper_class(nn.Linear(4, 4), **diff.fsdp1_kwargs())),
+                           **diff.fsdp1_kwargs())
+    tree = nn.Module()
+    tree.first = wrapper_class(nn.Linear(4, 4), **diff.fsdp1_kwargs())
+    tree.shared = shared
+    tree.register_module("empty", None)
+    tree.tail = nn.Sequential(nn.ReLU(), shared, wrapper_class(nn.Linear(4, 4), **diff.fsdp1_kwargs()))
+    return wrapper_class(tree, **diff.fsdp1_kwargs())
+
+
+def _units_by_first_path(model: nn.Module, wrapper_class) -> list[str]:
+    first_path = {id(module): diff.clean_name(name) for name, module in model.named_modules()}
+    return [first_path[id(unit)] for unit in wrapper_class.fsdp_modules(model)]
+
+
+@distributed_test(world_size=1)
+def test_fsdp_modules_lists_each_unit_once_in_pre_order_like_fsdp1():
+    diff.quiet()
+    expected = diff.fsdp1_value("wrapper_names", "units-shared-and-empty-slots",
+                                lambda: _units_by_first_path(_shared_unit_tree(diff.TorchFSDP), diff.TorchFSDP))
+    assert expected == ["", "first", "shared", "shared.1", "tail.2"]
+    assert _units_by_first_path(_shared_unit_tree(FSDP), FSDP) == expected
+
+
 @distributed_test(world_size=2)
 def test_manual_nesting_and_enable_wrap_match_auto_wrap():
     diff.quiet()
