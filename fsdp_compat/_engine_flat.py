@@ -246,7 +246,6 @@ class LocalShards:
     def _new_grad_flat(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
         """Allocate buffer ``buffer``'s flat gradient in ``dtype``, the gradients already there carried over."""
         old = self.grad_flats[buffer]
-        self.flat_grads_given = None
         flat = self.grad_flats[buffer] = torch.zeros_like(self.flats[buffer], dtype=dtype)
         if old is not None:
             flat.copy_(old)

@@ -98,6 +98,13 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    """``loss`` averaged over the ranks (one all-reduce), as a Python float."""
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, first_step: int = 0,
           sharded: bool = True) -> list[float]:
     """Train ``steps`` steps; returns the global mean loss per step (same on every rank)."""

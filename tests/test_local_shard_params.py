@@ -79,9 +79,7 @@ def _sgd_by_hand(model: nn.Module, accumulate: str = "none") -> list[float]:
                 if param.grad is not None:
                     param.data.add_(param.grad, alpha=-LR)
                 param.grad = None
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / dist.get_world_size())
+        losses.append(diff.mean_over_ranks(loss))
     return losses
 
 
@@ -192,9 +190,7 @@ def test_optimizer_zero_grad_both_forms_train_like_fsdp1(set_to_none):
             optimizer.zero_grad(set_to_none=set_to_none)
             # (FSDP1 leaves .grad None where this rank holds no element of the parameter.)
             assert all((param.grad is None) == set_to_none for param in model.parameters() if param.numel())
-            value = loss.detach().clone()
-            dist.all_reduce(value)
-            losses.append(value.item() / dist.get_world_size())
+            losses.append(diff.mean_over_ranks(loss))
         return losses
 
     ours = train(_wrap("FULL_SHARD"))
@@ -441,9 +437,7 @@ def _train_handling_flat_gradients(model: nn.Module) -> list[float]:
     def backward(step: int) -> None:
         loss = diff.loss_fn(model, *diff.local_batch(step))
         loss.backward()
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / dist.get_world_size())
+        losses.append(diff.mean_over_ranks(loss))
 
     backward(0)
     optimizer.step()
@@ -485,17 +479,12 @@ def _train_changing_flat_parameters_between_forward_and_backward(model: nn.Modul
     params = list(model.parameters())
     losses = []
 
-    def record(loss: torch.Tensor) -> None:
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / dist.get_world_size())
-
     def step(index: int, between: Callable[[], None] = lambda: None) -> None:
         loss = diff.loss_fn(model, *diff.local_batch(index))
         between()
         loss.backward()
         optimizer.step()
-        record(loss)
+        losses.append(diff.mean_over_ranks(loss))
 
     def halve_gradients() -> None:
         for param in params:
@@ -513,12 +502,12 @@ def _train_changing_flat_parameters_between_forward_and_backward(model: nn.Modul
     step(3)
     with torch.no_grad():
         for index in (4, 5):
-            record(diff.loss_fn(model, *diff.local_batch(index)))
+            losses.append(diff.mean_over_ranks(diff.loss_fn(model, *diff.local_batch(index))))
     params[1].requires_grad_(True)
     optimizer.zero_grad(set_to_none=True)
     step(6)
     with torch.no_grad():  # the last step's update, seen through the model
-        record(diff.loss_fn(model, *diff.local_batch(7)))
+        losses.append(diff.mean_over_ranks(diff.loss_fn(model, *diff.local_batch(7))))
     return losses
 
 
