@@ -101,6 +101,21 @@ def test_interleaved_quick_run(tmp_path: Path, config: str) -> None:
     assert any(line.startswith("FULL rank0_only state dict ms") for line in lines), done.stdout
 
 
+def test_python_calls_quick_run_sorts_each_engines_calls_by_whose_code_they_are(tmp_path: Path) -> None:
+    """``python_calls.py`` counts the Python calls of a world-size-1 step per engine, by the code they run in:
+    fsdp_compat's step enters its own code and the engine's, raw ``fully_shard``'s the engine's only."""
+    out = tmp_path / "calls.json"
+    engines = ["fsdp_compat", "fully_shard", *(["fsdp1"] if HAVE_FSDP1 else [])]
+    command = [sys.executable, str(BENCHMARKS / "python_calls.py"), "--quick", "--engines", ",".join(engines),
+               "--json", str(out)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    calls = json.loads(out.read_text())["calls_per_step"]
+    assert calls["fsdp_compat"]["fsdp_compat"] > 0 and calls["fsdp_compat"]["FSDP2 engine"] > 0
+    assert calls["fully_shard"]["FSDP2 engine"] > 0 and calls["fully_shard"].get("fsdp_compat", 0) < 5
+    assert all(calls[engine]["model"] == calls["fsdp_compat"]["model"] for engine in engines)  # same model code
+
+
 def test_quick_configs_run(tmp_path: Path) -> None:
     """``--configs`` (issue 35's training configurations) at world size 1: every engine trains the
     configuration (here bf16 mixed precision with activation checkpointing, clip_grad_norm_ each step) and
