@@ -282,6 +282,39 @@ def test_state_dict_values_are_copies():
             assert torch.equal(before[key], after[key]), key
 
 
+def _autograd_flags(wrapper_class, use_orig_params: bool, state_dict_type) -> dict[str, list[bool]]:
+    """For each tensor value of the state dict, with and without ``keep_vars``: whether this rank's piece
+    requires grad and whether it has autograd history."""
+    model = build(wrapper_class, use_orig_params=use_orig_params)
+    if wrapper_class is diff.TorchFSDP:
+        state_dict_type = getattr(diff.torch_fsdp.StateDictType, state_dict_type.name)
+    flags = {}
+    for keep_vars in (False, True):
+        with wrapper_class.state_dict_type(model, state_dict_type):
+            state = model.state_dict(keep_vars=keep_vars)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                piece = local_part(value)
+                flags[f"{key} keep_vars={keep_vars}"] = [piece.requires_grad, piece.grad_fn is not None]
+    return flags
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("state_dict_type", [FULL, SHARDED, LOCAL])
+@distributed_test(world_size=2)
+def test_state_dict_values_require_grad_and_carry_history_as_fsdp1s(state_dict_type, use_orig_params):
+    """Whether each value requires grad, and that none carries autograd history (a value built from a
+    parameter under grad mode would, and ``torch.save`` of it would then refuse or keep the graph), as in
+    FSDP1's state dicts, with and without ``keep_vars``."""
+    ours = _autograd_flags(FSDP, use_orig_params, state_dict_type)
+    expected = diff.fsdp1_value("state_dict_fsdp1", diff.golden_key("autograd-flags", state_dict_type.name,
+                                                                    use_orig_params),
+                                lambda: _autograd_flags(diff.TorchFSDP, use_orig_params, state_dict_type))
+    assert ours == expected, {key: (ours.get(key), expected.get(key)) for key in {*ours, *expected}
+                              if ours.get(key) != expected.get(key)}
+    assert not any(history for _, history in ours.values())
+
+
 def _ignored_parameter_values(wrapper_class, state_dict_type, keep_vars: bool) -> dict[str, str]:
     """How each ignored parameter's state-dict value relates to the live parameter: ``"itself"``,
     ``"detached, same storage"`` or ``"copy"`` (``ln_f`` and ``blocks.1.mlp`` ignored)."""
