@@ -23,8 +23,8 @@ import gc
 import json
 import sys
 import warnings
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
